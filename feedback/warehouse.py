@@ -1,0 +1,178 @@
+"""The analytics schema and its two backends: chdb embedded, clickhouse-connect server.
+
+One schema serves both. Every table is a ReplacingMergeTree keyed by its event id, so
+a redelivered event is harmless; the sink also skips ids already stored so that the
+hourly rollup (fed by a materialized view at insert time) counts each event once.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from pathlib import Path
+from typing import Protocol
+
+from liverl.settings import ChdbWarehouse, ClickHouseServer, Settings
+
+SCHEMA = [
+    """CREATE TABLE IF NOT EXISTS feedback_events (
+        event_id String, tenant LowCardinality(String), timestamp DateTime64(3, 'UTC'),
+        received_at DateTime64(3, 'UTC'), completion_id String, kind LowCardinality(String),
+        value Nullable(Float64), payload String
+    ) ENGINE = ReplacingMergeTree PARTITION BY toYYYYMM(timestamp)
+    ORDER BY (tenant, completion_id, event_id)""",
+    """CREATE TABLE IF NOT EXISTS trajectories (
+        event_id String, tenant LowCardinality(String), timestamp DateTime64(3, 'UTC'),
+        completion_id String, group_id Nullable(String), policy_version LowCardinality(String),
+        replica LowCardinality(String), source LowCardinality(String),
+        prompt_tokens UInt32, completion_tokens UInt32, finish_reason LowCardinality(String),
+        latency_ms Nullable(Float64), has_routed_experts UInt8,
+        prompt_text String, completion_text String, payload String
+    ) ENGINE = ReplacingMergeTree PARTITION BY toYYYYMM(timestamp)
+    ORDER BY (tenant, policy_version, event_id)""",
+    """CREATE TABLE IF NOT EXISTS samples (
+        event_id String, sample_id String, revision UInt32, tenant LowCardinality(String),
+        timestamp DateTime64(3, 'UTC'), served_at DateTime64(3, 'UTC'),
+        policy_version LowCardinality(String), reward Float64,
+        reward_source LowCardinality(String), reward_fn_version LowCardinality(String),
+        accepted Nullable(UInt8), completion_tokens UInt32,
+        reward_delta Float64, accepted_delta Int32, judged_delta Int32, count_delta Int32
+    ) ENGINE = ReplacingMergeTree PARTITION BY toYYYYMM(timestamp)
+    ORDER BY (tenant, policy_version, event_id)""",
+    """CREATE TABLE IF NOT EXISTS requests (
+        event_id String, tenant LowCardinality(String), timestamp DateTime64(3, 'UTC'),
+        completion_id Nullable(String), policy_version LowCardinality(String),
+        replica LowCardinality(String), endpoint LowCardinality(String), status UInt16,
+        error Nullable(String), latency_ms Float64, stream UInt8
+    ) ENGINE = ReplacingMergeTree PARTITION BY toYYYYMM(timestamp)
+    ORDER BY (tenant, policy_version, event_id)""",
+    """CREATE TABLE IF NOT EXISTS dead_letters (
+        event_id String, timestamp DateTime64(3, 'UTC'), source_topic LowCardinality(String),
+        reason String, tenant Nullable(String), payload String
+    ) ENGINE = ReplacingMergeTree PARTITION BY toYYYYMM(timestamp) ORDER BY event_id""",
+    """CREATE TABLE IF NOT EXISTS policy_versions (
+        version String, parent Nullable(String), created_at DateTime64(3, 'UTC'),
+        updated_at DateTime64(3, 'UTC'), state LowCardinality(String),
+        content_hash String, metrics String
+    ) ENGINE = ReplacingMergeTree(updated_at) ORDER BY version""",
+    # Per version and hour. The *_delta columns make revisions exact: a corrected
+    # sample adds (new reward - old reward) and no extra count.
+    """CREATE TABLE IF NOT EXISTS version_hourly (
+        tenant LowCardinality(String), policy_version LowCardinality(String),
+        hour DateTime('UTC'), samples Int64, reward_sum Float64, accepted Int64, judged Int64
+    ) ENGINE = SummingMergeTree ORDER BY (tenant, policy_version, hour)""",
+    """CREATE MATERIALIZED VIEW IF NOT EXISTS version_hourly_mv TO version_hourly AS
+    SELECT tenant, policy_version, toStartOfHour(served_at) AS hour,
+           toInt64(sum(count_delta)) AS samples, sum(reward_delta) AS reward_sum,
+           toInt64(sum(accepted_delta)) AS accepted, toInt64(sum(judged_delta)) AS judged
+    FROM samples GROUP BY tenant, policy_version, hour""",
+]
+
+ROLLUP_SQL = """SELECT policy_version, hour, sum(samples) AS n,
+    round(sum(reward_sum) / n, 4) AS mean_reward,
+    round(sum(accepted) / nullIf(sum(judged), 0), 4) AS accept_rate
+FROM version_hourly GROUP BY policy_version, hour ORDER BY hour, policy_version"""
+
+FORMATS = {"json": "JSON", "csv": "CSVWithNames", "table": "PrettyCompactMonoBlock"}
+_READ_ONLY = re.compile(r"^\s*(SELECT|WITH|SHOW|DESCRIBE|DESC|EXPLAIN|EXISTS)\b", re.I)
+
+
+class ReadOnlyViolation(ValueError):
+    pass
+
+
+def check_read_only(sql: str) -> str:
+    """Analysts' SQL: one read-only statement."""
+    statement = sql.strip().rstrip(";")
+    if not _READ_ONLY.match(statement) or ";" in statement:
+        raise ReadOnlyViolation("only one read-only statement (SELECT, WITH, SHOW, ...) is allowed")
+    return statement
+
+
+class Warehouse(Protocol):
+    def command(self, sql: str) -> None: ...
+
+    def query(self, sql: str, fmt: str = "JSON") -> str: ...
+
+    def insert(self, table: str, rows: list[dict]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class ChdbBackend:
+    """Embedded ClickHouse. A data path can be open in one process only."""
+
+    def __init__(self, path: Path):
+        from chdb import session
+
+        path.mkdir(parents=True, exist_ok=True)
+        self._session = session.Session(str(path))
+        self._lock = threading.Lock()  # one statement at a time through the session
+        self.command("CREATE DATABASE IF NOT EXISTS liverl")
+        self.command("USE liverl")
+
+    def command(self, sql: str) -> None:
+        with self._lock:
+            self._session.query(sql)
+
+    def query(self, sql: str, fmt: str = "JSON") -> str:
+        with self._lock:
+            return self._session.query(sql, fmt).bytes().decode()
+
+    def insert(self, table: str, rows: list[dict]) -> None:
+        body = "\n".join(json.dumps(r, default=str) for r in rows)
+        self.command(f"INSERT INTO {table} FORMAT JSONEachRow\n{body}")
+
+    def close(self) -> None:
+        self._session.close()
+
+
+class ServerBackend:
+    """A clickhouse-server through clickhouse-connect (production)."""
+
+    def __init__(self, config: ClickHouseServer):
+        import clickhouse_connect
+
+        admin = clickhouse_connect.get_client(
+            host=config.host, port=config.port, username=config.username, password=config.password
+        )
+        admin.command(f"CREATE DATABASE IF NOT EXISTS {config.database}")
+        admin.close()
+        self._client = clickhouse_connect.get_client(
+            host=config.host, port=config.port, username=config.username,
+            password=config.password, database=config.database,
+        )
+        self._lock = threading.Lock()
+
+    def command(self, sql: str) -> None:
+        with self._lock:
+            self._client.command(sql)
+
+    def query(self, sql: str, fmt: str = "JSON") -> str:
+        with self._lock:
+            return self._client.raw_query(sql, fmt=fmt).decode()
+
+    def insert(self, table: str, rows: list[dict]) -> None:
+        body = "\n".join(json.dumps(r, default=str) for r in rows).encode()
+        with self._lock:
+            self._client.raw_insert(table, insert_block=body, fmt="JSONEachRow")
+
+    def close(self) -> None:
+        self._client.close()
+
+
+def open_warehouse(settings: Settings) -> Warehouse:
+    config = settings.warehouse
+    backend: Warehouse
+    if isinstance(config, ChdbWarehouse):
+        backend = ChdbBackend(settings.data_dir / config.subdir)
+    else:
+        backend = ServerBackend(config)
+    for statement in SCHEMA:
+        backend.command(statement)
+    return backend
+
+
+def query_json(warehouse: Warehouse, sql: str) -> list[dict]:
+    return json.loads(warehouse.query(sql, "JSON"))["data"]

@@ -1,0 +1,164 @@
+"""The ingest + admin API: product teams' feedback in, acknowledged only once on Kafka."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import OrderedDict
+from contextlib import asynccontextmanager
+
+from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse
+from prometheus_client import Counter, Histogram
+from pydantic import BaseModel, ValidationError
+
+from ingest.schemas import IngestItem, IngestResponse, ItemError, ItemResult, describe, to_event
+from liverl.keys import KeyRecord, KeyStore, Role, require_admin, require_key
+from liverl.kafka import encode, make_producer
+from liverl.observability import log, mount_metrics, setup_logging
+from liverl.settings import Settings, get_settings
+
+ITEMS = Counter("liverl_ingest_items_total", "Ingested items by outcome", ["type", "outcome"])
+BATCH_SECONDS = Histogram("liverl_ingest_batch_seconds", "Time to acknowledge a batch")
+logger = setup_logging("ingest")
+
+
+class RecentIds:
+    """Ids acknowledged lately, so a client retry is answered as a duplicate cheaply.
+
+    Best effort only: the feedback stream and ClickHouse dedupe by event_id for real.
+    """
+
+    def __init__(self, capacity: int = 200_000):
+        self.capacity = capacity
+        self._ids: OrderedDict[tuple[str, str], None] = OrderedDict()
+
+    def __contains__(self, key: tuple[str, str]) -> bool:
+        return key in self._ids
+
+    def add(self, key: tuple[str, str]) -> None:
+        self._ids[key] = None
+        if len(self._ids) > self.capacity:
+            self._ids.popitem(last=False)
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or get_settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        app.state.producer = make_producer(settings)
+        await app.state.producer.start()
+        yield
+        await app.state.producer.stop()
+
+    app = FastAPI(title="liverl ingest", lifespan=lifespan)
+    app.state.keys = KeyStore(settings.keys_file)
+    app.state.recent = RecentIds()
+    mount_metrics(app)
+    limits = settings.ingest
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"ok": True}
+
+    @app.post("/v1/ingestion", status_code=207, response_model=IngestResponse)
+    async def ingest(request: Request, key: KeyRecord = Depends(require_key)) -> JSONResponse:
+        started = time.perf_counter()
+        raw = await request.body()
+        if len(raw) > limits.max_body_bytes:
+            raise HTTPException(413, f"body is {len(raw)} bytes; the limit is {limits.max_body_bytes}")
+        try:
+            payload = json.loads(raw)
+        except ValueError as error:
+            raise HTTPException(400, f"malformed JSON: {error}") from None
+        if not isinstance(payload, dict) or not isinstance(payload.get("batch"), list):
+            raise HTTPException(422, "batch: expected an object {\"batch\": [...]} with a list")
+        if extra := set(payload) - {"batch"}:
+            raise HTTPException(422, f"{sorted(extra)[0]}: extra field not permitted")
+        items = payload["batch"]
+        if len(items) > limits.max_batch_items:
+            raise HTTPException(
+                413, f"batch has {len(items)} items; the limit is {limits.max_batch_items}"
+            )
+
+        results: list[ItemResult] = []
+        sends: list[tuple[int, asyncio.Future, tuple[str, str]]] = []
+        in_batch: set[str] = set()
+        for index, raw_item in enumerate(items):
+            item_id = raw_item.get("id") if isinstance(raw_item, dict) else None
+            item_id = item_id if isinstance(item_id, str) else None
+            try:
+                if len(json.dumps(raw_item)) > limits.max_item_bytes:
+                    raise ItemError(f"item is larger than {limits.max_item_bytes} bytes")
+                try:
+                    item = IngestItem.model_validate(raw_item)
+                except ValidationError as error:
+                    raise ItemError(describe(error, f"batch.{index}")) from None
+                seen_key = (key.tenant, item.id)
+                if item.id in in_batch or seen_key in request.app.state.recent:
+                    results.append(ItemResult(id=item.id, status=200, duplicate=True))
+                    ITEMS.labels(item.type, "duplicate").inc()
+                    continue
+                topic, partition_key, event = to_event(item, key.tenant)
+            except ItemError as error:
+                status = 413 if "larger than" in str(error) else 400
+                results.append(ItemResult(id=item_id, status=status, error=str(error)))
+                ITEMS.labels(str(raw_item.get("type") if isinstance(raw_item, dict) else "?"), "rejected").inc()
+                continue
+            in_batch.add(item.id)
+            future = await request.app.state.producer.send(
+                topic, encode(event), key=partition_key.encode()
+            )
+            results.append(ItemResult(id=item.id, status=201))
+            sends.append((len(results) - 1, future, seen_key))
+            ITEMS.labels(item.type, "accepted").inc()
+
+        # Acknowledge only what the broker acknowledged (acks=all).
+        outcomes = await asyncio.gather(*(f for _, f, _ in sends), return_exceptions=True)
+        for (index, _, seen_key), outcome in zip(sends, outcomes):
+            if isinstance(outcome, BaseException):
+                results[index] = ItemResult(
+                    id=results[index].id, status=503, error=f"broker did not acknowledge: {outcome}"
+                )
+            else:
+                request.app.state.recent.add(seen_key)
+        accepted = sum(r.status < 300 for r in results)
+        BATCH_SECONDS.observe(time.perf_counter() - started)
+        body = IngestResponse(accepted=accepted, rejected=len(results) - accepted, results=results)
+        return JSONResponse(body.model_dump(), status_code=207)
+
+    # --- admin: keys --------------------------------------------------------------------
+    class KeyRequest(BaseModel):
+        tenant: str
+        role: Role = "tenant"
+        label: str = ""
+
+    @app.post("/admin/keys", status_code=201)
+    async def create_key(body: KeyRequest, admin: KeyRecord = Depends(require_admin)) -> dict:
+        key, record = app.state.keys.create(body.tenant, body.role, body.label)
+        log(logger, "key created", key_id=record.key_id, tenant=record.tenant, by=admin.key_id)
+        return {"key": key, **record.model_dump(mode="json")}
+
+    @app.get("/admin/keys")
+    async def list_keys(admin: KeyRecord = Depends(require_admin)) -> list[dict]:
+        return [r.model_dump(mode="json") for r in app.state.keys.list()]
+
+    @app.delete("/admin/keys/{key_id}")
+    async def revoke_key(key_id: str, admin: KeyRecord = Depends(require_admin)) -> dict:
+        try:
+            record = app.state.keys.revoke(key_id)
+        except KeyError as error:
+            raise HTTPException(404, str(error)) from None
+        log(logger, "key revoked", key_id=key_id, by=admin.key_id)
+        return record.model_dump(mode="json")
+
+    return app
+
+
+if __name__ == "__main__":
+    from liverl.process import serve
+
+    settings = get_settings()
+    serve(create_app(settings), settings.host, settings.ports.api)

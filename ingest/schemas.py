@@ -1,0 +1,78 @@
+"""The ingestion API's wire format, and how one raw item becomes a contract event.
+
+Items are validated one at a time so one bad item never sinks its batch.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, TypeAdapter, ValidationError
+
+from liverl.contracts import (
+    FeedbackBody,
+    FeedbackEvent,
+    Id,
+    OutcomeBody,
+    Strict,
+    Topics,
+    Trajectory,
+)
+
+_feedback_body = TypeAdapter(FeedbackBody)
+
+
+class IngestItem(Strict):
+    id: Id
+    type: Literal["feedback", "trajectory", "outcome"]
+    timestamp: datetime
+    body: dict[str, Any]
+
+
+class ItemResult(BaseModel):
+    id: str | None
+    status: int
+    duplicate: bool = False
+    error: str | None = None
+
+
+class IngestResponse(BaseModel):
+    accepted: int
+    rejected: int
+    results: list[ItemResult]
+
+
+class ItemError(ValueError):
+    """An item the API refuses, with a message naming the field."""
+
+
+def describe(error: ValidationError, prefix: str = "") -> str:
+    parts = []
+    for e in error.errors():
+        loc = ".".join(str(p) for p in (prefix, *e["loc"]) if p != "")
+        parts.append(f"{loc}: {e['msg']}" if loc else e["msg"])
+    return "; ".join(parts)
+
+
+def to_event(item: IngestItem, tenant: str) -> tuple[str, str, BaseModel]:
+    """(topic, partition key, event) for a validated item; ItemError if its body is bad."""
+    try:
+        if item.type == "trajectory":
+            if {"event_id", "tenant"} & item.body.keys():
+                raise ItemError("body: event_id and tenant are set by the API, not the caller")
+            trajectory = Trajectory.model_validate(
+                {**item.body, "event_id": item.id, "tenant": tenant,
+                 "timestamp": item.timestamp, "source": "sdk"}
+            )
+            return Topics.TRAJECTORIES, trajectory.completion_id, trajectory
+        if item.type == "outcome":
+            body = OutcomeBody.model_validate({"kind": "outcome", **item.body})
+        else:
+            body = _feedback_body.validate_python(item.body)
+            if isinstance(body, OutcomeBody):
+                raise ItemError("body.kind: use type 'outcome' for outcome signals")
+    except ValidationError as error:
+        raise ItemError(describe(error, "body")) from None
+    event = FeedbackEvent(event_id=item.id, tenant=tenant, timestamp=item.timestamp, body=body)
+    return Topics.FEEDBACK, body.completion_id, event

@@ -1,0 +1,1 @@
+"""liverl: online RL from production feedback for MoE policies."""

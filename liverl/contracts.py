@@ -1,0 +1,207 @@
+"""The contracts between liverl's parts: topic names and event schemas.
+
+Everything that crosses a process boundary is one of these pydantic models, encoded
+as JSON. Producers and consumers import them from here; nothing copies them.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from datetime import datetime, timezone
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+SCHEMA_VERSION = 1
+
+
+class Topics:
+    """Kafka topics. Keys: completion_id, so one completion stays on one partition."""
+
+    TRAJECTORIES = "liverl.trajectories"
+    FEEDBACK = "liverl.feedback"
+    SAMPLES = "liverl.samples"
+    DEAD_LETTER = "liverl.dead-letter"
+    REQUESTS = "liverl.requests"  # failed/served request records for error-rate analytics
+
+    ALL = (TRAJECTORIES, FEEDBACK, SAMPLES, DEAD_LETTER, REQUESTS)
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class Strict(BaseModel):
+    """Unknown fields are errors: a typo must not silently drop a signal."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+Id = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:\-]+$")]
+
+
+# --- What the gateway records about each completion -------------------------------------
+class SamplingParams(Strict):
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int | None = None
+    seed: int | None = None
+
+
+class Turn(Strict):
+    """One step of a multi-turn trajectory (agents: tool calls, many turns)."""
+
+    role: Literal["system", "user", "assistant", "tool", "summary"]
+    content: str = ""
+    tool_calls: list[dict[str, Any]] | None = None
+    token_ids: list[int] | None = Field(None, description="Set for policy-generated turns.")
+    logprobs: list[float] | None = None
+    # A "summary" turn is the policy compressing its own context to continue past its
+    # window; the segment it replaces is recorded so the learner can credit both.
+    summarizes_turns: list[int] | None = None
+
+
+class Trajectory(Strict):
+    """A completion served by a policy version: what the learner trains on."""
+
+    event_id: Id
+    schema_version: int = SCHEMA_VERSION
+    tenant: Id
+    timestamp: datetime = Field(default_factory=utcnow)
+    completion_id: Id
+    group_id: Id | None = Field(None, description="Completions sampled for one prompt.")
+    policy_version: str
+    replica: str | None = None
+    source: Literal["gateway", "sdk", "rollout"] = "gateway"
+    prompt_text: str = ""
+    completion_text: str = ""
+    prompt_token_ids: list[int] = Field(default_factory=list)
+    completion_token_ids: list[int] = Field(default_factory=list)
+    completion_logprobs: list[float] = Field(
+        default_factory=list, description="Behaviour logprob of each sampled token."
+    )
+    routed_experts: list[list[list[int]]] | None = Field(
+        None, description="[token][layer][k] expert ids chosen at inference; None if unknown."
+    )
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    finish_reason: str | None = None
+    turns: list[Turn] | None = Field(None, description="Multi-turn agent trajectories.")
+    latency_ms: float | None = None
+    time_to_first_token_ms: float | None = None
+
+
+class RequestRecord(Strict):
+    """Every gateway request, served or failed, for error-rate and latency per version."""
+
+    event_id: Id
+    schema_version: int = SCHEMA_VERSION
+    tenant: Id
+    timestamp: datetime = Field(default_factory=utcnow)
+    completion_id: Id | None = None
+    policy_version: str | None = None
+    replica: str | None = None
+    endpoint: str
+    status: int
+    error: str | None = None
+    latency_ms: float
+    stream: bool = False
+
+
+# --- What product teams send ------------------------------------------------------------
+def _finite(value: float | None) -> float | None:
+    if value is not None and not math.isfinite(value):
+        raise ValueError("must be a finite number")
+    return value
+
+
+class AcceptBody(Strict):
+    kind: Literal["accept"] = "accept"
+    completion_id: Id
+
+
+class RejectBody(Strict):
+    kind: Literal["reject"] = "reject"
+    completion_id: Id
+
+
+class ThumbsBody(Strict):
+    kind: Literal["thumbs"] = "thumbs"
+    completion_id: Id
+    up: bool
+
+
+class ScoreBody(Strict):
+    kind: Literal["score"] = "score"
+    completion_id: Id
+    score: float
+    min: float = 0.0
+    max: float = 1.0
+
+    _finite_score = field_validator("score", "min", "max")(_finite)
+
+
+class EditBody(Strict):
+    kind: Literal["edit"] = "edit"
+    completion_id: Id
+    corrected_text: str = Field(max_length=64 * 1024)
+
+
+class OutcomeBody(Strict):
+    """A downstream outcome (tests passed, task solved) credited to a completion."""
+
+    kind: Literal["outcome"] = "outcome"
+    completion_id: Id
+    name: str = Field(min_length=1, max_length=128)
+    value: float
+
+    _finite_value = field_validator("value")(_finite)
+
+
+FeedbackBody = Annotated[
+    Union[AcceptBody, RejectBody, ThumbsBody, ScoreBody, EditBody, OutcomeBody],
+    Field(discriminator="kind"),
+]
+
+
+class FeedbackEvent(Strict):
+    """A feedback or outcome event on the feedback topic, tenant stamped by the API."""
+
+    event_id: Id
+    schema_version: int = SCHEMA_VERSION
+    tenant: Id
+    timestamp: datetime
+    received_at: datetime = Field(default_factory=utcnow)
+    body: FeedbackBody
+
+
+# --- What the feedback stream emits -----------------------------------------------------
+class RewardedSample(Strict):
+    """A trajectory with its shaped reward: the learner's input."""
+
+    sample_id: Id = Field(description="= completion_id; revisions share it.")
+    revision: int = Field(0, description="Later feedback re-emits the sample with revision+1.")
+    event_id: Id = Field(description="Unique per (sample_id, revision).")
+    schema_version: int = SCHEMA_VERSION
+    tenant: Id
+    timestamp: datetime = Field(default_factory=utcnow)
+    reward: float
+    reward_source: Literal["feedback", "default", "late"]
+    reward_fn_version: str
+    feedback_event_ids: list[str] = Field(default_factory=list)
+    accepted: bool | None = Field(None, description="True/False for accept-like signals.")
+    trajectory: Trajectory
+
+
+class DeadLetter(Strict):
+    event_id: Id
+    schema_version: int = SCHEMA_VERSION
+    timestamp: datetime = Field(default_factory=utcnow)
+    source_topic: str
+    reason: str
+    tenant: str | None = None
+    payload: str = Field(description="The original message, verbatim.")

@@ -1,0 +1,184 @@
+"""All of liverl's configuration, in one place.
+
+Every field is typed and described. Values come from defaults, then `LIVERL_*`
+environment variables (nested with `__`, e.g. `LIVERL_BROKER__BOOTSTRAP=...`), then
+CLI flags. Each embedded-or-server choice is a discriminated union of small configs.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+# --- Kafka-protocol broker ---------------------------------------------------------
+class EmbeddedBroker(BaseModel):
+    """Tansu, started by `liverl up`; topics live in memory (see README)."""
+
+    kind: Literal["embedded"] = "embedded"
+    port: int = Field(19092, description="Port the embedded Tansu broker listens on.")
+    partitions: int = Field(2, description="Partitions per topic created at start.")
+
+    @property
+    def bootstrap(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+
+class KafkaBroker(BaseModel):
+    """An external Apache Kafka cluster (production)."""
+
+    kind: Literal["kafka"] = "kafka"
+    bootstrap: str = Field("kafka:9092", description="Comma-separated bootstrap servers.")
+    partitions: int = Field(6, description="Partitions per topic when liverl creates them.")
+    replication_factor: int = Field(3, description="Replication factor for created topics.")
+
+
+BrokerConfig = Annotated[Union[EmbeddedBroker, KafkaBroker], Field(discriminator="kind")]
+
+
+# --- ClickHouse ------------------------------------------------------------------------
+class ChdbWarehouse(BaseModel):
+    """Embedded ClickHouse (chdb), owned by the sink process (one process per path)."""
+
+    kind: Literal["chdb"] = "chdb"
+    subdir: str = Field("chdb", description="Data path, relative to the data directory.")
+
+
+class ClickHouseServer(BaseModel):
+    """A clickhouse-server reached with clickhouse-connect (production)."""
+
+    kind: Literal["server"] = "server"
+    host: str = Field("clickhouse", description="ClickHouse server host.")
+    port: int = Field(8123, description="ClickHouse HTTP port.")
+    username: str = Field("default", description="ClickHouse user.")
+    password: str = Field("", description="ClickHouse password (never logged).")
+    database: str = Field("liverl", description="Database holding liverl's tables.")
+
+
+WarehouseConfig = Annotated[Union[ChdbWarehouse, ClickHouseServer], Field(discriminator="kind")]
+
+
+# --- Delta store -------------------------------------------------------------------------
+class LocalDeltaStore(BaseModel):
+    """Policy deltas and snapshots in a local directory."""
+
+    kind: Literal["local"] = "local"
+    subdir: str = Field("deltas", description="Store path, relative to the data directory.")
+
+
+class S3DeltaStore(BaseModel):
+    """Policy deltas and snapshots in an S3-compatible bucket (production)."""
+
+    kind: Literal["s3"] = "s3"
+    endpoint_url: str | None = Field(None, description="S3 endpoint; None means AWS.")
+    bucket: str = Field("liverl-policies", description="Bucket holding deltas and snapshots.")
+    prefix: str = Field("", description="Key prefix inside the bucket.")
+    access_key_id: str | None = Field(None, description="Access key (never logged).")
+    secret_access_key: str | None = Field(None, description="Secret key (never logged).")
+
+
+DeltaStoreConfig = Annotated[Union[LocalDeltaStore, S3DeltaStore], Field(discriminator="kind")]
+
+
+# --- Components ----------------------------------------------------------------------------
+class PortsConfig(BaseModel):
+    api: int = Field(18080, description="Ingest + admin API port.")
+    gateway: int = Field(18000, description="OpenAI-compatible serving gateway port.")
+    sink: int = Field(18090, description="Analytics sink (ClickHouse owner) port.")
+    feedback: int = Field(18070, description="Faust feedback worker web port.")
+    learner: int = Field(18060, description="Learner metrics/admin port.")
+    replica_base: int = Field(18100, description="First vLLM replica port; replica i uses base+i.")
+
+
+class StarterPolicyConfig(BaseModel):
+    """The locally built Qwen3-MoE the embedded default serves first."""
+
+    seed: int = Field(0, description="Seed for tokenizer corpus order, init and mid-training.")
+    model_dir: Path | None = Field(
+        None, description="Serve this HF checkpoint instead of building the starter policy."
+    )
+
+
+class ServingConfig(BaseModel):
+    replicas: int = Field(1, description="vLLM replicas behind the gateway.")
+    python: Path = Field(
+        REPO_ROOT / ".venv-serving/bin/python", description="Interpreter of the serving env."
+    )
+    kv_cache_gib: int = Field(1, description="VLLM_CPU_KVCACHE_SPACE per CPU replica (GiB).")
+    cpu_threads: int = Field(1, description="OMP threads per CPU replica.")
+    max_model_len: int = Field(512, description="Longest prompt + completion served.")
+    dtype: str = Field("float32", description="Compute dtype of the replicas (fp32 on CPU).")
+    start_timeout_s: float = Field(240.0, description="How long a replica may take to start.")
+    request_timeout_s: float = Field(120.0, description="Gateway -> replica request timeout.")
+
+
+class FeedbackConfig(BaseModel):
+    reward_window_s: float = Field(
+        3600.0, description="How long after a completion feedback still joins it on time."
+    )
+    sweep_interval_s: float = Field(5.0, description="How often closed windows are swept.")
+    reward_config: Path | None = Field(
+        None, description="YAML of per-tenant reward functions; None uses the defaults."
+    )
+
+
+class IngestConfig(BaseModel):
+    max_batch_items: int = Field(1000, description="Most items accepted in one ingestion batch.")
+    max_item_bytes: int = Field(64 * 1024, description="Largest accepted item, in JSON bytes.")
+    max_body_bytes: int = Field(16 * 1024 * 1024, description="Largest request body accepted.")
+
+
+class Settings(BaseSettings):
+    """liverl's settings. Environment: `LIVERL_<FIELD>`, nested with `__`."""
+
+    model_config = SettingsConfigDict(env_prefix="LIVERL_", env_nested_delimiter="__")
+
+    data_dir: Path = Field(REPO_ROOT / ".liverl", description="Where all state lives.")
+    host: str = Field("127.0.0.1", description="Interface every component binds to.")
+    ports: PortsConfig = Field(default_factory=PortsConfig, description="Component ports.")
+    broker: BrokerConfig = Field(default_factory=EmbeddedBroker, description="Kafka broker.")
+    warehouse: WarehouseConfig = Field(
+        default_factory=ChdbWarehouse, description="ClickHouse backend."
+    )
+    delta_store: DeltaStoreConfig = Field(
+        default_factory=LocalDeltaStore, description="Where policy deltas are shipped."
+    )
+    starter: StarterPolicyConfig = Field(
+        default_factory=StarterPolicyConfig, description="The starter policy."
+    )
+    serving: ServingConfig = Field(default_factory=ServingConfig, description="vLLM replicas.")
+    feedback: FeedbackConfig = Field(default_factory=FeedbackConfig, description="Reward join.")
+    ingest: IngestConfig = Field(default_factory=IngestConfig, description="Ingest API limits.")
+    start_timeout_s: float = Field(90.0, description="How long a non-replica component may take.")
+    drain_timeout_s: float = Field(120.0, description="How long `down` waits for draining.")
+
+    def url(self, port: int) -> str:
+        return f"http://{self.host}:{port}"
+
+    @property
+    def bootstrap(self) -> str:
+        return self.broker.bootstrap
+
+    @property
+    def run_dir(self) -> Path:
+        """Pids, logs and the stack manifest of the running stack."""
+        return self.data_dir / "run"
+
+    @property
+    def keys_file(self) -> Path:
+        return self.data_dir / "keys.json"
+
+    @property
+    def policies_dir(self) -> Path:
+        return self.data_dir / "policies"
+
+
+@lru_cache
+def get_settings() -> Settings:
+    return Settings()
