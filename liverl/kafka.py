@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import time
+
 from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import TopicAlreadyExistsError
@@ -51,3 +54,75 @@ async def ensure_topics(settings: Settings) -> None:
                 pass
     finally:
         await admin.close()
+
+
+async def group_lag(settings: Settings, group: str, topics: tuple[str, ...]) -> int:
+    """Messages on `topics` not yet committed by consumer group `group`."""
+    from aiokafka import AIOKafkaConsumer
+
+    admin = AIOKafkaAdminClient(bootstrap_servers=settings.bootstrap)
+    consumer = AIOKafkaConsumer(bootstrap_servers=settings.bootstrap)
+    await admin.start()
+    await consumer.start()
+    try:
+        committed = await admin.list_consumer_group_offsets(group)
+        await consumer.topics()  # fetches the metadata partitions_for_topic reads
+        partitions = [tp for t in topics for tp in _partitions(consumer, t)]
+        ends = await consumer.end_offsets(partitions) if partitions else {}
+        return sum(
+            max(end - (committed[tp].offset if tp in committed and committed[tp].offset >= 0 else 0), 0)
+            for tp, end in ends.items()
+        )
+    finally:
+        await consumer.stop()
+        await admin.close()
+
+
+def _partitions(consumer, topic: str) -> list:
+    from aiokafka import TopicPartition
+
+    return [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())]
+
+
+def read_topic(settings: Settings, topic: str, timeout_s: float = 10.0) -> list[bytes]:
+    """Every message on a topic, from the beginning to its current end (no group)."""
+    from kafka import KafkaConsumer, TopicPartition
+
+    consumer = KafkaConsumer(bootstrap_servers=settings.bootstrap, enable_auto_commit=False,
+                             api_version=KAFKA_PYTHON_API_VERSION)
+    try:
+        partitions = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic) or ()]
+        consumer.assign(partitions)
+        consumer.seek_to_beginning(*partitions)
+        ends = consumer.end_offsets(partitions)
+        values: list[bytes] = []
+        deadline = time.time() + timeout_s
+        while any(consumer.position(tp) < end for tp, end in ends.items()) and time.time() < deadline:
+            for records in consumer.poll(timeout_ms=500).values():
+                values.extend(r.value for r in records)
+        return values
+    finally:
+        consumer.close()
+
+
+def partition_key(payload: bytes) -> bytes | None:
+    """The completion_id a payload belongs to, wherever the contract puts it."""
+    try:
+        data = json.loads(payload)
+    except ValueError:
+        return None
+    if not isinstance(data, dict):
+        return None
+    key = data.get("completion_id") or (data.get("body") or {}).get("completion_id")
+    return key.encode() if isinstance(key, str) else None
+
+
+def produce_sync(settings: Settings, topic: str, payload: bytes) -> None:
+    from kafka import KafkaProducer
+
+    producer = KafkaProducer(bootstrap_servers=settings.bootstrap, acks="all",
+                             api_version=KAFKA_PYTHON_API_VERSION)
+    try:
+        producer.send(topic, payload, key=partition_key(payload)).get(timeout=30)
+    finally:
+        producer.close()

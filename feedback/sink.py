@@ -1,0 +1,228 @@
+"""The analytics sink: every topic into ClickHouse, and the one door to chdb.
+
+In embedded mode chdb can be open in one process only, so this process also answers
+analysts' read-only SQL (`liverl sql`, `liverl metrics`) over HTTP.
+
+Offsets are committed after the rows are stored: a crash redelivers, and rows whose
+event id is already stored are skipped, so nothing is lost or counted twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from contextlib import asynccontextmanager
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer
+from fastapi import FastAPI, HTTPException
+from fastapi.responses import PlainTextResponse
+from prometheus_client import Counter, Gauge
+from pydantic import BaseModel, ValidationError
+
+from feedback.warehouse import FORMATS, ReadOnlyViolation, Warehouse, check_read_only, open_warehouse
+from liverl.contracts import (
+    DeadLetter,
+    FeedbackEvent,
+    RequestRecord,
+    RewardedSample,
+    Topics,
+    Trajectory,
+)
+from liverl.observability import log, mount_metrics, setup_logging
+from liverl.settings import Settings, get_settings
+
+GROUP = "liverl-sink"
+ROWS = Counter("liverl_sink_rows_total", "Rows stored by table and outcome", ["table", "outcome"])
+STORED_OFFSET = Gauge("liverl_sink_committed", "Messages committed", ["topic"])
+logger = setup_logging("sink")
+
+TABLE_OF = {
+    Topics.FEEDBACK: "feedback_events",
+    Topics.TRAJECTORIES: "trajectories",
+    Topics.SAMPLES: "samples",
+    Topics.REQUESTS: "requests",
+    Topics.DEAD_LETTER: "dead_letters",
+}
+
+
+def _ts(value: Any) -> str:
+    return value.strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+
+
+def feedback_row(e: FeedbackEvent) -> dict:
+    body = e.body
+    value = {"accept": 1.0, "reject": 0.0}.get(body.kind)
+    if body.kind == "thumbs":
+        value = 1.0 if body.up else 0.0
+    elif body.kind == "score":
+        value = body.score
+    elif body.kind == "outcome":
+        value = body.value
+    return dict(event_id=e.event_id, tenant=e.tenant, timestamp=_ts(e.timestamp),
+                received_at=_ts(e.received_at), completion_id=body.completion_id,
+                kind=body.kind, value=value, payload=body.model_dump_json())
+
+
+def trajectory_row(t: Trajectory) -> dict:
+    return dict(event_id=t.event_id, tenant=t.tenant, timestamp=_ts(t.timestamp),
+                completion_id=t.completion_id, group_id=t.group_id,
+                policy_version=t.policy_version, replica=t.replica or "", source=t.source,
+                prompt_tokens=len(t.prompt_token_ids), completion_tokens=len(t.completion_token_ids),
+                finish_reason=t.finish_reason or "", latency_ms=t.latency_ms,
+                has_routed_experts=int(t.routed_experts is not None),
+                prompt_text=t.prompt_text, completion_text=t.completion_text,
+                payload=t.model_dump_json(include={"sampling", "turns"}))
+
+
+def request_row(r: RequestRecord) -> dict:
+    return dict(event_id=r.event_id, tenant=r.tenant, timestamp=_ts(r.timestamp),
+                completion_id=r.completion_id, policy_version=r.policy_version or "",
+                replica=r.replica or "", endpoint=r.endpoint, status=r.status, error=r.error,
+                latency_ms=r.latency_ms, stream=int(r.stream))
+
+
+def dead_letter_row(d: DeadLetter) -> dict:
+    return dict(event_id=d.event_id, timestamp=_ts(d.timestamp), source_topic=d.source_topic,
+                reason=d.reason, tenant=d.tenant, payload=d.payload)
+
+
+class Sink:
+    def __init__(self, warehouse: Warehouse):
+        self.warehouse = warehouse
+
+    def _stored_ids(self, table: str, ids: list[str]) -> set[str]:
+        quoted = ",".join("'" + i.replace("\\", "\\\\").replace("'", "\\'") + "'" for i in ids)
+        rows = json.loads(self.warehouse.query(
+            f"SELECT event_id FROM {table} WHERE event_id IN ({quoted})", "JSON"))["data"]
+        return {r["event_id"] for r in rows}
+
+    def _previous_revision(self, sample_id: str, revision: int) -> dict | None:
+        rows = json.loads(self.warehouse.query(
+            f"SELECT reward, accepted FROM samples WHERE sample_id = '{sample_id}' "
+            f"AND revision < {revision} ORDER BY revision DESC LIMIT 1", "JSON"))["data"]
+        return rows[0] if rows else None
+
+    def sample_row(self, s: RewardedSample) -> dict:
+        judged = s.accepted is not None
+        row = dict(event_id=s.event_id, sample_id=s.sample_id, revision=s.revision,
+                   tenant=s.tenant, timestamp=_ts(s.timestamp),
+                   served_at=_ts(s.trajectory.timestamp),
+                   policy_version=s.trajectory.policy_version, reward=s.reward,
+                   reward_source=s.reward_source, reward_fn_version=s.reward_fn_version,
+                   accepted=None if not judged else int(s.accepted),
+                   completion_tokens=len(s.trajectory.completion_token_ids),
+                   reward_delta=s.reward, accepted_delta=int(bool(s.accepted)),
+                   judged_delta=int(judged), count_delta=1)
+        if s.revision and (prev := self._previous_revision(s.sample_id, s.revision)):
+            # A correction: the rollup gets the difference, not a second sample.
+            prev_judged = prev["accepted"] is not None
+            row.update(reward_delta=s.reward - prev["reward"],
+                       accepted_delta=int(bool(s.accepted)) - int(bool(prev["accepted"])),
+                       judged_delta=int(judged) - int(prev_judged), count_delta=0)
+        return row
+
+    def to_row(self, topic: str, raw: bytes) -> dict:
+        if topic == Topics.FEEDBACK:
+            return feedback_row(FeedbackEvent.model_validate_json(raw))
+        if topic == Topics.TRAJECTORIES:
+            return trajectory_row(Trajectory.model_validate_json(raw))
+        if topic == Topics.SAMPLES:
+            return self.sample_row(RewardedSample.model_validate_json(raw))
+        if topic == Topics.REQUESTS:
+            return request_row(RequestRecord.model_validate_json(raw))
+        return dead_letter_row(DeadLetter.model_validate_json(raw))
+
+    def store(self, topic: str, messages: list[bytes]) -> None:
+        table = TABLE_OF[topic]
+        rows: dict[str, dict] = {}
+        for raw in messages:
+            try:
+                row = self.to_row(topic, raw)
+            except ValidationError as error:
+                # Producers validate, so this is a bug or a foreign writer: keep it visible.
+                self.warehouse.insert("dead_letters", [dead_letter_row(DeadLetter(
+                    event_id=f"sink-{abs(hash(raw))}", source_topic=topic,
+                    reason=f"sink could not parse: {error.errors()[0]['msg']}",
+                    payload=raw.decode(errors="replace")))])
+                ROWS.labels(table, "malformed").inc()
+                continue
+            rows.setdefault(row["event_id"], row)
+        if not rows:
+            return
+        fresh = [r for i, r in rows.items() if i not in self._stored_ids(table, list(rows))]
+        if fresh:
+            self.warehouse.insert(table, fresh)
+        ROWS.labels(table, "stored").inc(len(fresh))
+        ROWS.labels(table, "duplicate").inc(len(messages) - len(fresh))
+
+
+async def consume(settings: Settings, sink: Sink, stop: asyncio.Event) -> None:
+    consumer = AIOKafkaConsumer(
+        *TABLE_OF, bootstrap_servers=settings.bootstrap, group_id=GROUP,
+        enable_auto_commit=False, auto_offset_reset="earliest", max_poll_records=2000,
+    )
+    await consumer.start()
+    try:
+        while not stop.is_set():
+            batches = await consumer.getmany(timeout_ms=200, max_records=5000)
+            for tp, messages in batches.items():
+                await asyncio.to_thread(sink.store, tp.topic, [m.value for m in messages])
+            if batches:
+                await consumer.commit()
+                for tp, messages in batches.items():
+                    STORED_OFFSET.labels(tp.topic).inc(len(messages))
+    finally:
+        await consumer.stop()
+
+
+class SqlRequest(BaseModel):
+    sql: str
+    format: str = "json"
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or get_settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        app.state.warehouse = open_warehouse(settings)
+        stop = asyncio.Event()
+        task = asyncio.create_task(consume(settings, Sink(app.state.warehouse), stop))
+        app.state.consumer = task
+        log(logger, "sink started", backend=settings.warehouse.kind)
+        yield
+        stop.set()
+        await task
+        app.state.warehouse.close()
+
+    app = FastAPI(title="liverl analytics sink", lifespan=lifespan)
+    mount_metrics(app)
+
+    @app.get("/health")
+    async def health() -> dict:
+        task = app.state.consumer
+        if task.done():
+            raise HTTPException(503, f"consumer stopped: {task.exception()!r}")
+        return {"ok": True}
+
+    @app.post("/sql", response_class=PlainTextResponse)
+    async def sql(body: SqlRequest) -> str:
+        if body.format not in FORMATS:
+            raise HTTPException(422, f"format: one of {sorted(FORMATS)}")
+        try:
+            statement = check_read_only(body.sql)
+            return await asyncio.to_thread(app.state.warehouse.query, statement, FORMATS[body.format])
+        except ReadOnlyViolation as error:
+            raise HTTPException(403, str(error)) from None
+        except Exception as error:  # ClickHouse's own message is what an analyst needs
+            raise HTTPException(400, str(error).splitlines()[0]) from None
+
+    return app
+
+
+if __name__ == "__main__":
+    from liverl.process import serve
+
+    settings = get_settings()
+    serve(create_app(settings), settings.host, settings.ports.sink)

