@@ -53,16 +53,16 @@ app = faust.App(
     topic_partitions=settings.broker.partitions,
     web_host=settings.host,
     web_port=settings.ports.feedback,
-    value_serializer="raw",
-    key_serializer="raw",
     producer_acks=-1,
+    datadir=str(settings.data_dir / "faust"),
+    consumer_auto_offset_reset="earliest",
 )
-incoming = app.topic(Topics.TRAJECTORIES, Topics.FEEDBACK)
-samples_topic = app.topic(Topics.SAMPLES)
-dead_letters = app.topic(Topics.DEAD_LETTER)
-completions = app.Table(
-    "completions", default=None, key_serializer="raw", value_serializer="json"
-)
+raw = dict(key_serializer="raw", value_serializer="raw")
+incoming = app.topic(Topics.TRAJECTORIES, Topics.FEEDBACK, **raw)
+samples_topic = app.topic(Topics.SAMPLES, **raw)
+dead_letters = app.topic(Topics.DEAD_LETTER, **raw)
+# Keyed by completion_id (str), JSON state; partitioned like the incoming topics.
+completions = app.Table("completions", default=None)
 
 
 async def dead_letter(topic: str, reason: str, payload: bytes, tenant: str | None = None) -> None:
@@ -110,44 +110,52 @@ async def join(stream):
     async for event in stream.events():
         topic, raw = event.message.topic, event.value
         try:
-            parsed = parse(topic, raw)
-        except ValidationError as error:
-            await dead_letter(topic, f"malformed: {error.errors()[0]['msg']}", raw)
-            continue
-        key = (parsed.completion_id if isinstance(parsed, Trajectory) else parsed.body.completion_id)
-        state = completions[key.encode()] or {
-            "trajectory": None, "feedback": [], "event_ids": [], "revision": -1,
-            "closed": False, "first_seen": time.time(),
-        }
-        if parsed.event_id in state["event_ids"]:
-            EVENTS.labels(topic, "duplicate").inc()
-            continue
-        owner = state["trajectory"]["tenant"] if state["trajectory"] else None
-        if isinstance(parsed, Trajectory):
-            if state["trajectory"] is not None:
-                await dead_letter(topic, "a trajectory with this completion_id exists", raw, parsed.tenant)
-                continue
-            state["trajectory"] = parsed.model_dump(mode="json")
-            # Feedback that waited for this trajectory but came from another tenant is not
-            # this tenant's to give.
-            for f in [f for f in state["feedback"] if f["tenant"] != parsed.tenant]:
-                state["feedback"].remove(f)
-                await dead_letter(Topics.FEEDBACK, "tenant does not own this completion",
-                                  FeedbackEvent.model_validate(f).model_dump_json().encode(), f["tenant"])
-            if state["feedback"]:
-                await score_and_emit(state)
-        else:
-            if owner is not None and parsed.tenant != owner:
-                await dead_letter(topic, "tenant does not own this completion", raw, parsed.tenant)
-                continue
-            state["feedback"].append(parsed.model_dump(mode="json"))
-            if state["closed"]:
-                EVENTS.labels(topic, "late").inc()
-            if state["trajectory"] is not None:
-                await score_and_emit(state)
-        state["event_ids"].append(parsed.event_id)
-        EVENTS.labels(topic, "joined").inc()
-        completions[key.encode()] = state
+            await handle(topic, raw)
+        except Exception as error:  # one poisoned event must not stop the join
+            logger.exception("join failed")
+            await dead_letter(topic, f"processing failed: {error!r}", raw)
+
+
+async def handle(topic: str, raw: bytes) -> None:
+    try:
+        parsed = parse(topic, raw)
+    except ValidationError as error:
+        await dead_letter(topic, f"malformed: {error.errors()[0]['msg']}", raw)
+        return
+    key = (parsed.completion_id if isinstance(parsed, Trajectory) else parsed.body.completion_id)
+    state = completions.get(key) or {
+        "trajectory": None, "feedback": [], "event_ids": [], "revision": -1,
+        "closed": False, "first_seen": time.time(),
+    }
+    if parsed.event_id in state["event_ids"]:
+        EVENTS.labels(topic, "duplicate").inc()
+        return
+    owner = state["trajectory"]["tenant"] if state["trajectory"] else None
+    if isinstance(parsed, Trajectory):
+        if state["trajectory"] is not None:
+            await dead_letter(topic, "a trajectory with this completion_id exists", raw, parsed.tenant)
+            return
+        state["trajectory"] = parsed.model_dump(mode="json")
+        # Feedback that waited for this trajectory but came from another tenant is not
+        # this tenant's to give.
+        for f in [f for f in state["feedback"] if f["tenant"] != parsed.tenant]:
+            state["feedback"].remove(f)
+            await dead_letter(Topics.FEEDBACK, "tenant does not own this completion",
+                              FeedbackEvent.model_validate(f).model_dump_json().encode(), f["tenant"])
+        if state["feedback"]:
+            await score_and_emit(state)
+    else:
+        if owner is not None and parsed.tenant != owner:
+            await dead_letter(topic, "tenant does not own this completion", raw, parsed.tenant)
+            return
+        state["feedback"].append(parsed.model_dump(mode="json"))
+        if state["closed"]:
+            EVENTS.labels(topic, "late").inc()
+        if state["trajectory"] is not None:
+            await score_and_emit(state)
+    state["event_ids"].append(parsed.event_id)
+    EVENTS.labels(topic, "joined").inc()
+    completions[key] = state
 
 
 @app.timer(interval=settings.feedback.sweep_interval_s)

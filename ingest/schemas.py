@@ -8,7 +8,9 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel, TypeAdapter, ValidationError
+from typing import get_args
+
+from pydantic import BaseModel, ValidationError
 
 from liverl.contracts import (
     FeedbackBody,
@@ -20,7 +22,12 @@ from liverl.contracts import (
     Trajectory,
 )
 
-_feedback_body = TypeAdapter(FeedbackBody)
+# kind -> body model, for errors that name the field ("body.score"), not the union tag.
+FEEDBACK_KINDS = {
+    model.model_fields["kind"].default: model
+    for model in get_args(get_args(FeedbackBody)[0])
+    if model is not OutcomeBody
+}
 
 
 class IngestItem(Strict):
@@ -69,9 +76,10 @@ def to_event(item: IngestItem, tenant: str) -> tuple[str, str, BaseModel]:
         if item.type == "outcome":
             body = OutcomeBody.model_validate({"kind": "outcome", **item.body})
         else:
-            body = _feedback_body.validate_python(item.body)
-            if isinstance(body, OutcomeBody):
-                raise ItemError("body.kind: use type 'outcome' for outcome signals")
+            model = FEEDBACK_KINDS.get(item.body.get("kind"))
+            if model is None:
+                raise ItemError(f"body.kind: must be one of {sorted(FEEDBACK_KINDS)}")
+            body = model.model_validate(item.body)
     except ValidationError as error:
         raise ItemError(describe(error, "body")) from None
     event = FeedbackEvent(event_id=item.id, tenant=tenant, timestamp=item.timestamp, body=body)

@@ -57,31 +57,38 @@ async def ensure_topics(settings: Settings) -> None:
 
 
 async def group_lag(settings: Settings, group: str, topics: tuple[str, ...]) -> int:
-    """Messages on `topics` not yet committed by consumer group `group`."""
-    from aiokafka import AIOKafkaConsumer
+    """Messages on `topics` not yet committed by consumer group `group`.
 
-    admin = AIOKafkaAdminClient(bootstrap_servers=settings.bootstrap)
-    consumer = AIOKafkaConsumer(bootstrap_servers=settings.bootstrap)
-    await admin.start()
+    Uses a consumer's OffsetFetch (`committed`) rather than the admin API, which Tansu
+    0.6 does not answer, and reads the last batch of each partition for its true end:
+    Tansu reports a high watermark of the last batch's base offset + 1.
+    """
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+
+    consumer = AIOKafkaConsumer(bootstrap_servers=settings.bootstrap, group_id=group,
+                                enable_auto_commit=False)
     await consumer.start()
     try:
-        committed = await admin.list_consumer_group_offsets(group)
         await consumer.topics()  # fetches the metadata partitions_for_topic reads
-        partitions = [tp for t in topics for tp in _partitions(consumer, t)]
-        ends = await consumer.end_offsets(partitions) if partitions else {}
-        return sum(
-            max(end - (committed[tp].offset if tp in committed and committed[tp].offset >= 0 else 0), 0)
-            for tp, end in ends.items()
-        )
+        partitions = [TopicPartition(t, p) for t in topics
+                      for p in sorted(consumer.partitions_for_topic(t) or ())]
+        if not partitions:
+            return 0
+        watermarks = await consumer.end_offsets(partitions)
+        consumer.assign(partitions)
+        ends = {}
+        for tp, watermark in watermarks.items():
+            ends[tp] = watermark
+            if watermark > 0:
+                consumer.seek(tp, watermark - 1)
+                batch = await consumer.getmany(tp, timeout_ms=2000)
+                ends[tp] = max([watermark] + [m.offset + 1 for m in batch.get(tp, [])])
+        lag = 0
+        for tp, end in ends.items():
+            lag += max(end - (await consumer.committed(tp) or 0), 0)
+        return lag
     finally:
         await consumer.stop()
-        await admin.close()
-
-
-def _partitions(consumer, topic: str) -> list:
-    from aiokafka import TopicPartition
-
-    return [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())]
 
 
 def read_topic(settings: Settings, topic: str, timeout_s: float = 10.0) -> list[bytes]:
