@@ -232,7 +232,8 @@ def up(settings: Settings, say: Callable[[str], None] = print, progress: bool = 
         asyncio.run(ensure_topics(settings))
         launcher.python("sink", "feedback.sink", settings.ports.sink)
         launcher.python("feedback", "feedback.stream", settings.ports.feedback, "worker",
-                        "-l", "warn", "--web-port", str(settings.ports.feedback))
+                        "-l", "warn", "--web-port", str(settings.ports.feedback),
+                        "--web-host", settings.host)
         launcher.python("api", "ingest.api", settings.ports.api)
         version = "v0"
         replicas = [start_replica(launcher, i, model_dir, version) for i in range(settings.serving.replicas)]

@@ -129,13 +129,21 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         await app.state.producer.start()
         app.state.http = httpx.AsyncClient(timeout=settings.serving.request_timeout_s)
         yield
+        await asyncio.gather(*recording)
         await app.state.http.aclose()
         await app.state.producer.stop()
 
     app = FastAPI(title="liverl gateway", lifespan=lifespan)
     app.state.keys = KeyStore(settings.keys_file)
     router = Router(settings)
+    recording: set[asyncio.Task] = set()
     mount_metrics(app)
+
+    def in_background(coroutine) -> None:
+        """Record after answering, and survive the client hanging up mid-stream."""
+        task = asyncio.create_task(coroutine)
+        recording.add(task)
+        task.add_done_callback(recording.discard)
 
     async def record(event: Trajectory | RequestRecord, topic: str, key: str) -> None:
         try:
@@ -237,7 +245,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             payload["model"] = body.get("model", SERVED_MODEL_NAME)
             payload["choices"] = [client_view(c, body, chat) for c in payload.get("choices", [])]
             payload.pop("prompt_token_ids", None)
-            await finish(endpoint, key, body, replica, completion_id, acc, started, None, chat, group_id)
+            in_background(finish(endpoint, key, body, replica, completion_id, acc, started, None,
+                                 chat, group_id))
             return JSONResponse(payload, headers=headers)
 
         async def relay() -> AsyncIterator[bytes]:
@@ -260,8 +269,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             finally:
                 await upstream.aclose()
                 router.inflight[replica.name] -= 1
-            await finish(endpoint, key, body, replica, completion_id, acc, started, first_token, chat,
-                         group_id)
+                in_background(finish(endpoint, key, body, replica, completion_id, acc, started,
+                                     first_token, chat, group_id))
 
         return StreamingResponse(relay(), media_type="text/event-stream", headers=headers)
 

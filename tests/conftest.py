@@ -1,0 +1,62 @@
+"""One embedded stack for the whole test session: engines start once, not per test."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+
+from liverl.settings import (
+    REPO_ROOT,
+    EmbeddedBroker,
+    FeedbackConfig,
+    PortsConfig,
+    ServingConfig,
+    Settings,
+    StarterPolicyConfig,
+)
+
+
+@pytest.fixture(scope="session")
+def starter_dir() -> Path:
+    """The starter policy, built once per machine and shared with `liverl demo`."""
+    from policies.starter import build_starter_policy
+
+    return build_starter_policy(REPO_ROOT / ".liverl/policies/starter", seed=0, progress=False)
+
+
+@pytest.fixture(scope="session")
+def settings(tmp_path_factory: pytest.TempPathFactory, starter_dir: Path) -> Settings:
+    # Ports away from the defaults, so a developer's own stack keeps running.
+    return Settings(
+        data_dir=tmp_path_factory.mktemp("liverl"),
+        ports=PortsConfig(api=28080, gateway=28000, sink=28090, feedback=28070, learner=28060,
+                          replica_base=28100),
+        broker=EmbeddedBroker(port=29092),
+        starter=StarterPolicyConfig(model_dir=starter_dir),
+        serving=ServingConfig(replicas=1, kv_cache_gib=1),
+        feedback=FeedbackConfig(reward_window_s=6.0, sweep_interval_s=1.0),
+    )
+
+
+@pytest.fixture(scope="session")
+def stack(settings: Settings):
+    from liverl.stack import down, status, up
+
+    up(settings, say=lambda _: None, progress=False)
+    yield status(settings)
+    down(settings, say=lambda _: None)
+
+
+@pytest.fixture(scope="session")
+def dev_keys(stack, settings: Settings) -> dict:
+    return json.loads((settings.data_dir / "dev-keys.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def api(settings: Settings, dev_keys: dict) -> httpx.Client:
+    with httpx.Client(base_url=settings.url(settings.ports.api), timeout=30,
+                      headers={"Authorization": f"Bearer {dev_keys['tenant_key']}"}) as client:
+        yield client

