@@ -10,8 +10,10 @@ event id is already stored are skipped, so nothing is lost or counted twice.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 from contextlib import asynccontextmanager
+from datetime import datetime, timezone
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer
@@ -24,6 +26,7 @@ from feedback.warehouse import FORMATS, ReadOnlyViolation, Warehouse, check_read
 from liverl.contracts import (
     DeadLetter,
     FeedbackEvent,
+    PolicyVersionEvent,
     RequestRecord,
     RewardedSample,
     Topics,
@@ -43,6 +46,7 @@ TABLE_OF = {
     Topics.SAMPLES: "samples",
     Topics.REQUESTS: "requests",
     Topics.DEAD_LETTER: "dead_letters",
+    Topics.POLICY_VERSIONS: "policy_versions",
 }
 
 
@@ -85,6 +89,13 @@ def request_row(r: RequestRecord) -> dict:
 def dead_letter_row(d: DeadLetter) -> dict:
     return dict(event_id=d.event_id, timestamp=_ts(d.timestamp), source_topic=d.source_topic,
                 reason=d.reason, tenant=d.tenant, payload=d.payload)
+
+
+def policy_version_row(p: PolicyVersionEvent) -> dict:
+    return dict(event_id=p.event_id, version=p.version, parent=p.parent,
+                created_at=_ts(datetime.fromtimestamp(p.created_at, timezone.utc)),
+                updated_at=_ts(p.timestamp), state=p.state, content_hash=p.content_hash,
+                metrics=json.dumps(p.metrics))
 
 
 class Sink:
@@ -131,6 +142,8 @@ class Sink:
             return self.sample_row(RewardedSample.model_validate_json(raw))
         if topic == Topics.REQUESTS:
             return request_row(RequestRecord.model_validate_json(raw))
+        if topic == Topics.POLICY_VERSIONS:
+            return policy_version_row(PolicyVersionEvent.model_validate_json(raw))
         return dead_letter_row(DeadLetter.model_validate_json(raw))
 
     def store(self, topic: str, messages: list[bytes]) -> None:
@@ -142,7 +155,7 @@ class Sink:
             except ValidationError as error:
                 # Producers validate, so this is a bug or a foreign writer: keep it visible.
                 self.warehouse.insert("dead_letters", [dead_letter_row(DeadLetter(
-                    event_id=f"sink-{abs(hash(raw))}", source_topic=topic,
+                    event_id=f"sink-{hashlib.sha256(raw).hexdigest()[:32]}", source_topic=topic,
                     reason=f"sink could not parse: {error.errors()[0]['msg']}",
                     payload=raw.decode(errors="replace")))])
                 ROWS.labels(table, "malformed").inc()

@@ -52,10 +52,10 @@ SCHEMA = [
         reason String, tenant Nullable(String), payload String
     ) ENGINE = ReplacingMergeTree PARTITION BY toYYYYMM(timestamp) ORDER BY event_id""",
     """CREATE TABLE IF NOT EXISTS policy_versions (
-        version String, parent Nullable(String), created_at DateTime64(3, 'UTC'),
+        event_id String, version String, parent Nullable(String), created_at DateTime64(3, 'UTC'),
         updated_at DateTime64(3, 'UTC'), state LowCardinality(String),
         content_hash String, metrics String
-    ) ENGINE = ReplacingMergeTree(updated_at) ORDER BY version""",
+    ) ENGINE = ReplacingMergeTree(updated_at) ORDER BY version""",  # latest state per version
     # Per version and hour. The *_delta columns make revisions exact: a corrected
     # sample adds (new reward - old reward) and no extra count.
     """CREATE TABLE IF NOT EXISTS version_hourly (

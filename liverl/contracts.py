@@ -24,8 +24,9 @@ class Topics:
     SAMPLES = "liverl.samples"
     DEAD_LETTER = "liverl.dead-letter"
     REQUESTS = "liverl.requests"  # failed/served request records for error-rate analytics
+    POLICY_VERSIONS = "liverl.policy-versions"  # registry state changes, for analysts
 
-    ALL = (TRAJECTORIES, FEEDBACK, SAMPLES, DEAD_LETTER, REQUESTS)
+    ALL = (TRAJECTORIES, FEEDBACK, SAMPLES, DEAD_LETTER, REQUESTS, POLICY_VERSIONS)
 
 
 def utcnow() -> datetime:
@@ -205,3 +206,17 @@ class DeadLetter(Strict):
     reason: str
     tenant: str | None = None
     payload: str = Field(description="The original message, verbatim.")
+
+
+class PolicyVersionEvent(Strict):
+    """A policy version's state as of one registry change (the registry is the truth)."""
+
+    event_id: Id
+    schema_version: int = SCHEMA_VERSION
+    timestamp: datetime = Field(default_factory=utcnow)
+    version: str
+    parent: str | None
+    state: str
+    created_at: float
+    content_hash: str
+    metrics: dict[str, Any] = Field(default_factory=dict)

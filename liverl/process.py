@@ -1,11 +1,71 @@
-"""Running one component as a process: the uvicorn entry point every server shares."""
+"""Components as processes: starting, serving, waiting for and stopping them."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
 import uvicorn
 from fastapi import FastAPI
+
+from liverl.settings import REPO_ROOT
 
 
 def serve(app: FastAPI, host: str, port: int) -> None:
     # One worker: every component is a single process; scale-out is more processes.
     uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+
+
+def spawn(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    """A component in its own session, so it outlives the command that started it."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "ab") as out:
+        return subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True, cwd=REPO_ROOT)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    return True
+
+
+def stop_pid(pid: int, timeout: float = 20.0) -> None:
+    """SIGTERM the process group, then SIGKILL if it lingers."""
+    for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.time() + wait
+        while time.time() < deadline:
+            try:
+                if os.waitpid(pid, os.WNOHANG)[0]:
+                    return
+            except ChildProcessError:
+                if not alive(pid):
+                    return
+            time.sleep(0.1)
+
+
+def wait_until(check: Callable[[], bool], timeout: float, process: subprocess.Popen | None = None,
+               interval: float = 0.3) -> bool:
+    """Poll check() until true; False on timeout or when `process` exits first."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if process is not None and process.poll() is not None:
+            return False
+        try:
+            if check():
+                return True
+        except (httpx.HTTPError, OSError):
+            pass
+        time.sleep(interval)
+    return False

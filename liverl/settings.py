@@ -134,6 +134,33 @@ class IngestConfig(BaseModel):
     max_body_bytes: int = Field(16 * 1024 * 1024, description="Largest request body accepted.")
 
 
+class LearnerConfig(BaseModel):
+    enabled: bool = Field(True, description="Start the learner with the stack.")
+    batch_samples: int = Field(256, description="Train a candidate once this many samples arrived.")
+    max_interval_s: float = Field(3 * 3600.0, description="...or once this long passed with any.")
+    min_samples: int = Field(8, description="Fewest samples worth a version when time is up.")
+    max_version_lag: int = Field(4, description="Drop samples more versions behind than this.")
+    is_mode: Literal["tis", "mask"] = Field("tis", description="Truncated or masked importance sampling.")
+    is_threshold: float = Field(2.0, description="Truncation / mask threshold of pi/mu.")
+    kl_coef: float = Field(0.0, description="Weight of KL(pi || parent) per token; 0 disables it.")
+    lr: float = Field(1e-5, description="Adam learning rate on the fp32 master weights.")
+    minibatch: int = Field(16, description="Sequences per gradient step.")
+    epochs: int = Field(1, description="Passes over a version's batch.")
+    router_replay: bool = Field(True, description="Force served routing where trajectories carry it.")
+    excluded_tenants: list[str] = Field(
+        default_factory=list, description="Tenants whose data never trains (still stored and reported)."
+    )
+    auto_promote: bool = Field(False, description="Promote candidates that pass the offline check.")
+    holdout_fraction: float = Field(0.15, description="Share of samples kept out of training for the gate.")
+    gate_margin: float = Field(0.05, description="Candidate's lower bound may trail the parent by this.")
+    gate_min_ess: float = Field(8.0, description="Fewest effective held-out samples for a verdict.")
+    gate_clip: float = Field(2.0, description="Clip of the per-token geometric-mean sequence weight.")
+    threads: int = Field(1, description="torch CPU threads of the learner.")
+    probe_tolerance: float = Field(
+        1e-4, description="Max |replica - trainer| logprob on the probe set after a swap."
+    )
+
+
 class Settings(BaseSettings):
     """liverl's settings. Environment: `LIVERL_<FIELD>`, nested with `__`."""
 
@@ -155,6 +182,10 @@ class Settings(BaseSettings):
     serving: ServingConfig = Field(default_factory=ServingConfig, description="vLLM replicas.")
     feedback: FeedbackConfig = Field(default_factory=FeedbackConfig, description="Reward join.")
     ingest: IngestConfig = Field(default_factory=IngestConfig, description="Ingest API limits.")
+    learner: LearnerConfig = Field(default_factory=LearnerConfig, description="The learner.")
+    broker_cluster_id: str | None = Field(
+        None, description="Set by `liverl up` per start; offsets are recorded with it."
+    )
     start_timeout_s: float = Field(90.0, description="How long a non-replica component may take.")
     drain_timeout_s: float = Field(120.0, description="How long `down` waits for draining.")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
+import shutil
 import socket
 import subprocess
 import sys
@@ -26,8 +26,10 @@ from pydantic import BaseModel
 from liverl.contracts import Topics
 from liverl.kafka import ensure_topics, group_lag
 from liverl.keys import KeyStore
+from liverl.process import alive, spawn, stop_pid, wait_until
 from liverl.settings import EmbeddedBroker, Settings
-from serving.replicas import Pool, Replica, read_pool, replica_command, replica_env, write_pool
+from policies.registry import Registry
+from serving.replicas import Pool, ReplicaError, launch_replica, read_pool, wait_replica, write_pool
 
 DRAINED_GROUPS = {
     "liverl-feedback": (Topics.TRAJECTORIES, Topics.FEEDBACK),
@@ -44,7 +46,6 @@ class Component(BaseModel):
     pid: int
     url: str | None = None
     log: str
-    policy_version: str | None = None
 
 
 class Manifest(BaseModel):
@@ -86,75 +87,37 @@ def read_manifest(settings: Settings) -> Manifest | None:
     return Manifest.model_validate_json(path.read_text()) if path.exists() else None
 
 
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except OSError:
-        return False
-    return True
-
-
-def stop_pid(pid: int, timeout: float = 20.0) -> None:
-    """SIGTERM the process group, then SIGKILL if it lingers."""
-    for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(pid, sig)
-        except ProcessLookupError:
-            return
-        deadline = time.time() + wait
-        while time.time() < deadline:
-            try:
-                if os.waitpid(pid, os.WNOHANG)[0]:
-                    return
-            except ChildProcessError:
-                if not alive(pid):
-                    return
-            time.sleep(0.1)
-
-
 class Launcher:
+    """Starts components, remembering them so a failed start can stop them all."""
+
     def __init__(self, settings: Settings, say: Callable[[str], None] = print):
         self.settings = settings
         self.say = say
         self.started: list[Component] = []
-        settings.run_dir.mkdir(parents=True, exist_ok=True)
 
-    def spawn(self, name: str, argv: list[str], env: dict[str, str], url: str | None = None,
-              policy_version: str | None = None) -> subprocess.Popen:
-        log = self.settings.run_dir / f"{name}.log"
-        with open(log, "ab") as out:
-            process = subprocess.Popen(
-                argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True, cwd=Path(__file__).resolve().parent.parent,
-            )
-        self.started.append(Component(name=name, pid=process.pid, url=url, log=str(log),
-                                      policy_version=policy_version))
+    def log(self, name: str) -> Path:
+        return self.settings.run_dir / f"{name}.log"
+
+    def spawn(self, name: str, argv: list[str], env: dict[str, str], url: str | None = None) -> subprocess.Popen:
+        process = spawn(argv, env, self.log(name))
+        self.started.append(Component(name=name, pid=process.pid, url=url, log=str(self.log(name))))
         return process
 
-    def wait_healthy(self, name: str, process: subprocess.Popen, check: Callable[[], bool],
-                     timeout: float, fix: str) -> None:
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if process.poll() is not None:
-                tail = Path(self.started[-1].log if self.started else "").read_text()[-600:]
-                raise StackError(f"{name} exited at start (code {process.returncode}); {fix}. "
-                                 f"Log tail: {tail.strip().splitlines()[-1] if tail.strip() else ''}")
-            try:
-                if check():
-                    return
-            except (httpx.HTTPError, OSError):
-                pass
-            time.sleep(0.3)
-        raise StackError(f"{name} was not healthy after {timeout:.0f} s; {fix}")
+    def wait(self, name: str, process: subprocess.Popen, check: Callable[[], bool], timeout: float) -> None:
+        if wait_until(check, timeout, process):
+            return
+        if process.poll() is not None:
+            lines = self.log(name).read_text(errors="replace").strip().splitlines()
+            raise StackError(f"{name} exited at start (code {process.returncode}): "
+                             f"{lines[-1] if lines else 'no output'}; see {self.log(name)}")
+        raise StackError(f"{name} was not healthy after {timeout:.0f} s; see {self.log(name)}")
 
     def python(self, name: str, module: str, port: int, *args: str) -> None:
         url = self.settings.url(port)
         process = self.spawn(name, [sys.executable, "-m", module, *args], child_env(self.settings), url)
-        health = "/" if name == "feedback" else "/health"
-        self.wait_healthy(
-            name, process, lambda: httpx.get(url + health, timeout=2).status_code == 200,
-            self.settings.start_timeout_s, f"see {self.settings.run_dir / (name + '.log')}",
-        )
+        health = url + ("/" if name == "feedback" else "/health")
+        self.wait(name, process, lambda: httpx.get(health, timeout=2).status_code == 200,
+                  self.settings.start_timeout_s)
         self.say(f"  {name:<10} {url}")
 
 
@@ -185,37 +148,44 @@ def ensure_dev_keys(settings: Settings) -> Path:
     return path
 
 
-def starter_model_dir(settings: Settings, progress: bool) -> Path:
-    if settings.starter.model_dir:
-        return settings.starter.model_dir
-    from policies.starter import build_starter_policy
+def starter_version(settings: Settings, progress: bool) -> tuple[str, Path]:
+    """The registry's stable version; on first start, the starter policy becomes v0."""
+    registry = Registry(settings.policies_dir)
+    if stable := registry.stable():
+        return stable.version, Path(stable.model_dir)
+    source = settings.starter.model_dir
+    if source is None:
+        from policies.starter import build_starter_policy
 
-    return build_starter_policy(settings.policies_dir / "starter", seed=settings.starter.seed,
-                                progress=progress)
+        source = build_starter_policy(settings.data_dir / "starter", seed=settings.starter.seed,
+                                      progress=progress)
+    from learner.trainer import PROBE_FILE, probe_logprobs  # torch: only on first start
 
+    staged = settings.policies_dir / "staging-v0"
+    shutil.rmtree(staged, ignore_errors=True)
+    shutil.copytree(source, staged)
+    if not (staged / PROBE_FILE).exists():
+        from transformers import AutoTokenizer
 
-def start_replica(launcher: Launcher, index: int, model_dir: Path, version: str) -> tuple[Replica, subprocess.Popen]:
-    settings = launcher.settings
-    port = settings.ports.replica_base + index
-    name = f"replica-{index}"
-    url = settings.url(port)
-    process = launcher.spawn(name, replica_command(settings, model_dir, port), replica_env(settings),
-                             url, version)
-    return Replica(name=name, url=url, policy_version=version, model_dir=str(model_dir),
-                   pid=process.pid), process
+        (staged / PROBE_FILE).write_text(json.dumps(probe_logprobs(staged, AutoTokenizer.from_pretrained(staged))))
+    v0 = registry.publish(staged, parent=None, window=None, metrics={}, sample_ids=[],
+                          actor="liverl up", state="stable")
+    return v0.version, Path(v0.model_dir)
 
 
 def up(settings: Settings, say: Callable[[str], None] = print, progress: bool = True) -> Manifest:
-    if (existing := read_manifest(settings)) and all(alive(c.pid) for c in existing.components):
+    if (existing := read_manifest(settings)) and any(alive(c.pid) for c in existing.components):
         raise StackError("the stack is already running; `liverl status` shows it, `liverl down` stops it")
     check_ports(settings)
     if not settings.serving.python.exists():
         raise StackError(f"replicas: serving environment missing at {settings.serving.python}; "
-                         "run the README's install command")
-    model_dir = starter_model_dir(settings, progress)
+                         "run ./install.sh")
+    settings.run_dir.mkdir(parents=True, exist_ok=True)
+    version, model_dir = starter_version(settings, progress)
     keys = ensure_dev_keys(settings)
     launcher = Launcher(settings, say)
     cluster_id = f"liverl-{uuid.uuid4().hex[:12]}"
+    settings.broker_cluster_id = cluster_id
     try:
         if isinstance(settings.broker, EmbeddedBroker):
             binary = tansu_binary()
@@ -226,8 +196,7 @@ def up(settings: Settings, say: Callable[[str], None] = print, progress: bool = 
                 str(binary), "broker", "--cluster-id", cluster_id, "--listener-url", listener,
                 "--advertised-listener-url", listener, "--storage-engine", "memory://tansu/",
             ], dict(os.environ), settings.bootstrap)
-            launcher.wait_healthy("broker", process, lambda: not port_free(settings.host, settings.broker.port),
-                                  30, "check the broker log")
+            launcher.wait("broker", process, lambda: not port_free(settings.host, settings.broker.port), 30)
             say(f"  broker     {settings.bootstrap} (cluster {cluster_id})")
         asyncio.run(ensure_topics(settings))
         launcher.python("sink", "feedback.sink", settings.ports.sink)
@@ -235,19 +204,20 @@ def up(settings: Settings, say: Callable[[str], None] = print, progress: bool = 
                         "-l", "warn", "--web-port", str(settings.ports.feedback),
                         "--web-host", settings.host)
         launcher.python("api", "ingest.api", settings.ports.api)
-        version = "v0"
-        replicas = [start_replica(launcher, i, model_dir, version) for i in range(settings.serving.replicas)]
-        for replica, process in replicas:
-            launcher.wait_healthy(
-                replica.name, process, lambda r=replica: httpx.get(r.url + "/health", timeout=2).status_code == 200,
-                settings.serving.start_timeout_s, f"see {settings.run_dir / (replica.name + '.log')}",
-            )
+        started = [launch_replica(settings, f"replica-{i}", model_dir, settings.ports.replica_base + i, version)
+                   for i in range(settings.serving.replicas)]
+        write_pool(settings, Pool(replicas=[r for r, _ in started]))  # so a failure below stops them
+        for replica, process in started:
+            wait_replica(settings, replica, process)
             say(f"  {replica.name:<10} {replica.url} serving {version}")
-        write_pool(settings, Pool(replicas=[r for r, _ in replicas]))
         launcher.python("gateway", "serving.gateway", settings.ports.gateway)
+        if settings.learner.enabled:
+            launcher.python("learner", "learner.service", settings.ports.learner)
+    except (StackError, ReplicaError, OSError) as error:
+        stop_all(settings, launcher.started)
+        raise StackError(str(error)) from None
     except BaseException:
-        for component in reversed(launcher.started):
-            stop_pid(component.pid, timeout=5)
+        stop_all(settings, launcher.started)
         raise
     manifest = Manifest(cluster_id=cluster_id, started_at=time.time(), components=launcher.started)
     manifest_file(settings).write_text(manifest.model_dump_json(indent=2))
@@ -255,11 +225,24 @@ def up(settings: Settings, say: Callable[[str], None] = print, progress: bool = 
     return manifest
 
 
+def stop_all(settings: Settings, components: list[Component]) -> None:
+    """Stop components newest first, and every replica in the pool."""
+    for component in reversed(components):
+        stop_pid(component.pid, timeout=10)
+    for replica in read_pool(settings).replicas:
+        if replica.pid:
+            stop_pid(replica.pid, timeout=10)
+    write_pool(settings, Pool())
+
+
 def drain(settings: Settings, timeout: float, say: Callable[[str], None]) -> None:
     """Wait until every acknowledged event is joined, stored and consumed."""
+    groups = dict(DRAINED_GROUPS)
+    if settings.learner.enabled:
+        groups["liverl-learner"] = (Topics.SAMPLES,)
     deadline = time.time() + timeout
     while True:
-        lags = {g: asyncio.run(group_lag(settings, g, topics)) for g, topics in DRAINED_GROUPS.items()}
+        lags = {g: asyncio.run(group_lag(settings, g, topics)) for g, topics in groups.items()}
         if not any(lags.values()):
             return
         if time.time() > deadline:
@@ -280,28 +263,31 @@ def down(settings: Settings, say: Callable[[str], None] = print, force: bool = F
             stop_pid(by_name[name].pid)
     if not force and "broker" in by_name and alive(by_name["broker"].pid):
         drain(settings, settings.drain_timeout_s, say)
-    for component in reversed(manifest.components):
-        stop_pid(component.pid)
-        say(f"  stopped {component.name}")
+    stop_all(settings, manifest.components)
     manifest_file(settings).unlink()
-    write_pool(settings, Pool())
+    say("  stopped")
 
 
 def status(settings: Settings) -> dict:
     manifest = read_manifest(settings)
     if manifest is None:
         return {"running": False, "components": []}
-    pool = {r.name: r for r in read_pool(settings).replicas}
     rows = []
     for c in manifest.components:
-        healthy = alive(c.pid)
-        if healthy and c.url and c.name != "broker":
-            path = "/" if c.name == "feedback" else "/health"
-            try:
-                healthy = httpx.get(c.url + path, timeout=2).status_code == 200
-            except httpx.HTTPError:
-                healthy = False
-        version = pool[c.name].policy_version if c.name in pool else c.policy_version
-        rows.append(dict(c.model_dump(), healthy=healthy, policy_version=version))
+        rows.append(dict(c.model_dump(), healthy=component_healthy(c.pid, c.url, c.name)))
+    for r in read_pool(settings).replicas:
+        rows.append(dict(name=r.name, pid=r.pid, url=r.url, log=None, policy_version=r.policy_version,
+                         healthy=component_healthy(r.pid, r.url, r.name) and r.enabled))
     return {"running": True, "cluster_id": manifest.cluster_id,
             "keys_file": str(settings.data_dir / "dev-keys.json"), "components": rows}
+
+
+def component_healthy(pid: int | None, url: str | None, name: str) -> bool:
+    if not pid or not alive(pid):
+        return False
+    if not url or name == "broker":
+        return True
+    try:
+        return httpx.get(url + ("/" if name == "feedback" else "/health"), timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False

@@ -8,10 +8,13 @@ survives a gateway restart and a swap needs no extra control channel.
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
+import httpx
 from pydantic import BaseModel, Field
 
+from liverl.process import spawn, wait_until
 from liverl.settings import Settings
 
 SERVED_MODEL_NAME = "liverl-policy"
@@ -83,3 +86,24 @@ def replica_env(settings: Settings) -> dict[str, str]:
     env.pop("VIRTUAL_ENV", None)
     return env
 
+
+
+def launch_replica(settings: Settings, name: str, model_dir: Path, port: int,
+                   version: str) -> tuple[Replica, subprocess.Popen]:
+    url = settings.url(port)
+    process = spawn(replica_command(settings, model_dir, port), replica_env(settings),
+                    settings.run_dir / f"{name}-{version}.log")
+    return Replica(name=name, url=url, policy_version=version, model_dir=str(model_dir),
+                   pid=process.pid), process
+
+
+def wait_replica(settings: Settings, replica: Replica, process: subprocess.Popen) -> None:
+    healthy = wait_until(lambda: httpx.get(replica.url + "/health", timeout=2).status_code == 200,
+                         settings.serving.start_timeout_s, process)
+    if not healthy:
+        raise ReplicaError(f"{replica.name}: vLLM did not become healthy serving {replica.policy_version}; "
+                           f"see {settings.run_dir / f'{replica.name}-{replica.policy_version}.log'}")
+
+
+class ReplicaError(RuntimeError):
+    pass

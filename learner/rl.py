@@ -1,0 +1,105 @@
+"""The RL math, one short function per idea, to be checked against the papers.
+
+Notation: for each completion token t, log pi(t) is the learner's logprob now,
+log mu(t) the behaviour logprob recorded when it was served (the sampling policy,
+possibly several versions old), A the sequence's advantage, broadcast to its tokens.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+
+def importance_weights(
+    logp: torch.Tensor, behaviour_logp: torch.Tensor, mode: str, threshold: float
+) -> torch.Tensor:
+    """Per-token pi/mu, made safe for off-policy training (no gradient flows through it).
+
+    - "tis": truncated importance sampling, min(pi/mu, C) (Espeholt et al. 2018; Yao et
+      al. 2025, "Your efficient RL framework secretly brings you off-policy RL").
+    - "mask": tokens whose ratio leaves [1/C, C] get weight 0 (masked IS, as in
+      IcePop / MIS): they are too far off-policy to trust either way.
+    """
+    ratio = torch.exp((logp - behaviour_logp).detach())
+    if mode == "tis":
+        return ratio.clamp(max=threshold)
+    if mode == "mask":
+        return torch.where((ratio <= threshold) & (ratio >= 1 / threshold), ratio, torch.zeros_like(ratio))
+    raise ValueError(f"importance mode must be 'tis' or 'mask', not {mode!r}")
+
+
+def group_advantages(rewards: torch.Tensor, group_ids: list[str]) -> torch.Tensor:
+    """GRPO (Shao et al. 2024): reward minus its group's mean, over the group's std.
+
+    Several completions of one prompt share a group; the group mean is a baseline that
+    needs no value network. A group whose rewards are all equal teaches nothing (A = 0).
+    """
+    advantages = torch.zeros_like(rewards)
+    members: dict[str, list[int]] = defaultdict(list)
+    for i, g in enumerate(group_ids):
+        members[g].append(i)
+    for idx in members.values():
+        r = rewards[idx]
+        advantages[idx] = (r - r.mean()) / (r.std(unbiased=False) + 1e-6) if len(idx) > 1 else 0.0
+    return advantages
+
+
+class RunningBaseline:
+    """Lone production completions have no group: subtract a running mean per key.
+
+    An exponential moving average of reward per (tenant, task) is a low-variance,
+    slowly moving baseline (Williams 1992's REINFORCE with baseline); it keeps the
+    gradient unbiased because it does not depend on the sampled completion.
+    """
+
+    def __init__(self, decay: float = 0.95, initial: float = 0.0):
+        self.decay = decay
+        self.initial = initial
+        self.means: dict[str, float] = {}
+
+    def advantages(self, rewards: torch.Tensor, keys: list[str]) -> torch.Tensor:
+        # Baselines come from before this batch, then take in its rewards.
+        baseline = torch.tensor([self.means.get(k, self.initial) for k in keys], dtype=rewards.dtype)
+        for k, r in zip(keys, rewards.tolist()):
+            self.means[k] = self.decay * self.means.get(k, r) + (1 - self.decay) * r
+        return rewards - baseline
+
+
+def kl_to_reference(logp: torch.Tensor, reference_logp: torch.Tensor) -> torch.Tensor:
+    """Per-token KL(pi || ref) with the k3 estimator (Schulman 2020): unbiased, >= 0."""
+    log_ratio = reference_logp - logp
+    return torch.exp(log_ratio) - log_ratio - 1
+
+
+def policy_gradient_loss(
+    logp: torch.Tensor,
+    behaviour_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    is_mode: str = "tis",
+    is_threshold: float = 2.0,
+    reference_logp: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Off-policy corrected policy gradient, token-level (shapes: [batch, tokens]).
+
+    loss = - sum_t w_t * A * log pi(t) / #tokens   (+ kl_coef * KL(pi || ref))
+    whose gradient is the importance-weighted REINFORCE estimator of grad E_pi[R].
+    """
+    weights = importance_weights(logp, behaviour_logp, is_mode, is_threshold)
+    per_token = -weights * advantages[:, None] * logp
+    if reference_logp is not None and kl_coef > 0:
+        per_token = per_token + kl_coef * kl_to_reference(logp, reference_logp)
+    tokens = mask.sum().clamp(min=1)
+    loss = (per_token * mask).sum() / tokens
+    with torch.no_grad():
+        ratio = torch.exp(logp - behaviour_logp)
+        stats = {
+            "loss": loss.item(),
+            "mean_is_weight": ((weights * mask).sum() / tokens).item(),
+            "clipped_fraction": (((ratio > is_threshold) | (weights == 0)) * mask).sum().item() / tokens.item(),
+        }
+    return loss, stats

@@ -1,0 +1,212 @@
+"""The learner: a consumer-group member on rewarded samples that writes policy versions.
+
+Cycle: consume samples (latest revision of each wins; stale, excluded-tenant, already
+trained and malformed samples are counted, never trained) -> when N samples arrived or
+T passed, train -> write the candidate version, the trained sample ids and the offsets
+in one registry transaction -> commit the Kafka offsets -> hand the candidate to the
+promoter (offline gate, then canary rollout) in the background, so serving never waits
+for training and training never waits for a swap.
+
+A learner killed at any line resumes from the registry: the last version's master
+weights and optimizer state, and the offsets recorded with it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import signal
+import threading
+import time
+from pathlib import Path
+
+import torch
+import uvicorn
+from fastapi import FastAPI
+from kafka import ConsumerRebalanceListener, KafkaConsumer, OffsetAndMetadata, TopicPartition
+from prometheus_client import Counter, Gauge
+from pydantic import ValidationError
+
+from learner.trainer import Trainer, valid
+from liverl.contracts import RewardedSample, Topics
+from liverl.kafka import KAFKA_PYTHON_API_VERSION
+from liverl.observability import log, mount_metrics, setup_logging
+from liverl.settings import Settings, get_settings
+from policies.offline_eval import offline_check, snis
+from policies.promotion import Promoter
+from policies.registry import PolicyVersion, Registry, SampleWindow
+
+GROUP = "liverl-learner"
+DROPPED = Counter("liverl_learner_dropped_total", "Samples not trained on, by reason", ["reason"])
+CONSUMED = Counter("liverl_learner_consumed_total", "Samples consumed")
+VERSION = Gauge("liverl_learner_version", "Sequence number of the latest version")
+PENDING = Gauge("liverl_learner_pending", "Samples waiting for the next version")
+logger = setup_logging("learner")
+
+
+def held_out(sample_id: str, fraction: float) -> bool:
+    """A fixed, hash-based share of samples never trains: the offline gate's data."""
+    return int(hashlib.sha256(sample_id.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF < fraction
+
+
+class SeekToRecorded(ConsumerRebalanceListener):
+    """The registry, not the broker's commit, is the record of what was learned."""
+
+    def __init__(self, consumer: KafkaConsumer, recorded: dict[str, int]):
+        self.consumer = consumer
+        self.recorded = recorded
+
+    def on_partitions_assigned(self, assigned) -> None:
+        for tp in assigned:
+            if (key := f"{tp.topic}:{tp.partition}") in self.recorded:
+                self.consumer.seek(tp, self.recorded[key])
+
+    def on_partitions_revoked(self, revoked) -> None:
+        pass
+
+
+class Learner:
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.config = settings.learner
+        self.registry = Registry(settings.policies_dir)
+        self.state_dir = settings.data_dir / "learner"
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.current: PolicyVersion = self.registry.latest()
+        state = self.state_dir / f"{self.current.version}.pt"
+        self.trainer = Trainer(Path(self.current.model_dir), self.config, state if state.exists() else None)
+        self.pending: dict[str, RewardedSample] = {}
+        self.holdout: list[RewardedSample] = []
+        self.dropped = {"stale": 0, "consent": 0, "malformed": 0, "already_trained": 0}
+        self.next_offsets: dict[TopicPartition, int] = {}
+        self.window_started = time.time()
+        self.promoter = Promoter(settings, self.registry)
+        self.cluster_id = settings.broker_cluster_id or "external"
+
+    # --- consuming -------------------------------------------------------------------------
+    def consumer(self) -> KafkaConsumer:
+        consumer = KafkaConsumer(
+            bootstrap_servers=self.settings.bootstrap, group_id=GROUP, enable_auto_commit=False,
+            auto_offset_reset="earliest", api_version=KAFKA_PYTHON_API_VERSION,
+            max_poll_records=500, max_poll_interval_ms=3_600_000,
+        )
+        consumer.subscribe([Topics.SAMPLES], listener=SeekToRecorded(
+            consumer, self.registry.offsets(self.cluster_id)))
+        return consumer
+
+    def drop(self, reason: str) -> None:
+        self.dropped[reason] += 1
+        DROPPED.labels(reason).inc()
+
+    def take(self, raw: bytes) -> None:
+        CONSUMED.inc()
+        try:
+            sample = RewardedSample.model_validate_json(raw)
+        except ValidationError:
+            return self.drop("malformed")
+        if valid(sample) is not None:
+            return self.drop("malformed")
+        if sample.tenant in self.config.excluded_tenants:
+            return self.drop("consent")
+        behaviour = self.registry.seq_of(sample.trajectory.policy_version)
+        if behaviour is None or self.current.seq - behaviour > self.config.max_version_lag:
+            return self.drop("stale")
+        if self.registry.trained([sample.sample_id]):
+            return self.drop("already_trained")  # a revision after its sample was learned
+        previous = self.pending.get(sample.sample_id)
+        if previous is None or sample.revision > previous.revision:
+            self.pending[sample.sample_id] = sample
+
+    def due(self) -> bool:
+        n = len(self.pending)
+        return n >= self.config.batch_samples or (
+            n >= self.config.min_samples and time.time() - self.window_started >= self.config.max_interval_s)
+
+    # --- learning ----------------------------------------------------------------------------
+    def window(self, samples: list[RewardedSample]) -> SampleWindow:
+        served = [s.trajectory.timestamp.timestamp() for s in samples]
+        per_version: dict[str, int] = {}
+        for s in samples:
+            per_version[s.trajectory.policy_version] = per_version.get(s.trajectory.policy_version, 0) + 1
+        return SampleWindow(
+            cluster_id=self.cluster_id,
+            offsets={f"{tp.topic}:{tp.partition}": o for tp, o in self.next_offsets.items()},
+            first_served=min(served), last_served=max(served), samples=len(samples),
+            dropped_stale=self.dropped["stale"], dropped_consent=self.dropped["consent"],
+            per_version=per_version,
+        )
+
+    def learn(self, consumer: KafkaConsumer) -> PolicyVersion:
+        batch = list(self.pending.values())
+        train = [s for s in batch if not held_out(s.sample_id, self.config.holdout_fraction)]
+        self.holdout = (self.holdout + [s for s in batch if held_out(s.sample_id, self.config.holdout_fraction)])[-512:]
+        parent_weights = self.trainer.snapshot()
+        started = time.time()
+        metrics = self.trainer.train(train or batch, seed=self.current.seq)
+        metrics["train_seconds"] = time.time() - started
+        metrics["tokens_per_second"] = metrics["tokens"] * self.config.epochs / max(metrics["train_seconds"], 1e-9)
+        metrics["dropped"] = dict(self.dropped)
+        if self.holdout:
+            rewards = torch.tensor([s.reward for s in self.holdout])
+            candidate = snis(self.trainer.mean_log_ratios(self.holdout), rewards, self.config.gate_clip)
+            parent = snis(self.trainer.mean_log_ratios(self.holdout, parent_weights), rewards, self.config.gate_clip)
+            verdict = offline_check(candidate, parent, self.config.gate_margin, self.config.gate_min_ess)
+            metrics["gate"] = verdict.model_dump()
+        staged = self.settings.policies_dir / f"staging-{self.current.seq + 1}"
+        shutil.rmtree(staged, ignore_errors=True)
+        self.trainer.export(staged)
+        self.trainer.save_state(self.state_dir / f"v{self.current.seq + 1}.pt")
+        version = self.registry.publish(
+            staged, parent=self.current.version, window=self.window(batch), metrics=metrics,
+            sample_ids=[s.sample_id for s in batch], actor="learner",
+        )
+        # After the registry has it: a crash here re-reads the offsets from the registry.
+        consumer.commit({tp: OffsetAndMetadata(o, "", -1) for tp, o in self.next_offsets.items()})
+        log(logger, "version written", version=version.version, samples=len(batch),
+            reward=metrics["mean_reward"], seconds=round(metrics["train_seconds"], 2))
+        self.current = version
+        self.pending.clear()
+        self.dropped = dict.fromkeys(self.dropped, 0)
+        self.window_started = time.time()
+        VERSION.set(version.seq)
+        self.promoter.offer(version)
+        return version
+
+    def run(self, stop: threading.Event) -> None:
+        consumer = self.consumer()
+        VERSION.set(self.current.seq)
+        try:
+            while not stop.is_set():
+                for tp, records in consumer.poll(timeout_ms=500).items():
+                    for record in records:
+                        self.take(record.value)
+                        self.next_offsets[tp] = record.offset + 1
+                PENDING.set(len(self.pending))
+                if self.due():
+                    self.learn(consumer)
+        finally:
+            consumer.close(autocommit=False)
+            self.promoter.stop()
+
+
+def create_app(settings: Settings) -> tuple[FastAPI, Learner]:
+    learner = Learner(settings)
+    app = FastAPI(title="liverl learner")
+    mount_metrics(app)
+
+    @app.get("/health")
+    def health() -> dict:
+        return {"ok": True, "version": learner.current.version, "pending": len(learner.pending)}
+
+    return app, learner
+
+
+if __name__ == "__main__":
+    settings = get_settings()
+    app, learner = create_app(settings)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.ports.learner,
+                                           log_level="warning"))
+    threading.Thread(target=server.run, daemon=True).start()
+    learner.run(stop)

@@ -1,0 +1,213 @@
+"""One policy being trained: fp32 master weights, Adam state, and a step on a batch.
+
+Published versions are the bf16 rounding of the master weights (what GPUs serve), so
+consecutive versions differ only where a bf16 value actually changed.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from learner import router_replay
+from learner.rl import RunningBaseline, group_advantages, policy_gradient_loss
+from liverl.contracts import RewardedSample
+from liverl.settings import LearnerConfig
+
+PROBE_FILE = "liverl_probe.json"
+PROBE_TEXTS = [
+    "def add(a, b):\n    return a + b\n",
+    "import os\nimport sys\n\nprint(os.getcwd())\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n",
+    "for i in range(10):\n    if i % 2:\n        continue\n",
+    "# sort a list of numbers\nnumbers = [3, 1, 2]\n",
+]
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor        # [B, T]
+    attention: torch.Tensor        # [B, T]
+    completion_mask: torch.Tensor  # [B, T-1]: targets that are completion tokens
+    behaviour_logp: torch.Tensor   # [B, T-1]
+    routing: torch.Tensor | None   # [layers, B*T, k], -1 where not recorded
+
+
+def collate(samples: list[RewardedSample], pad_id: int, layers: int, top_k: int) -> Batch:
+    lengths = [len(s.trajectory.prompt_token_ids) + len(s.trajectory.completion_token_ids) for s in samples]
+    T = max(lengths)
+    B = len(samples)
+    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
+    attention = torch.zeros((B, T), dtype=torch.long)
+    mask = torch.zeros((B, T - 1))
+    behaviour = torch.zeros((B, T - 1))
+    routing = None
+    if any(s.trajectory.routed_experts for s in samples):
+        routing = torch.full((layers, B, T, top_k), -1, dtype=torch.long)
+    for i, s in enumerate(samples):
+        t = s.trajectory
+        p, c = len(t.prompt_token_ids), len(t.completion_token_ids)
+        input_ids[i, : p + c] = torch.tensor(t.prompt_token_ids + t.completion_token_ids)
+        attention[i, : p + c] = 1
+        # Target position j predicts token j+1: completion tokens are targets p-1 .. p+c-2.
+        mask[i, p - 1 : p + c - 1] = 1
+        behaviour[i, p - 1 : p + c - 1] = torch.tensor(t.completion_logprobs)
+        if routing is not None and t.routed_experts:
+            recorded = torch.tensor(t.routed_experts, dtype=torch.long)  # [tokens, layers, k]
+            routing[:, i, : recorded.shape[0]] = recorded.permute(1, 0, 2)
+    return Batch(input_ids, attention, mask, behaviour,
+                 None if routing is None else routing.reshape(layers, B * T, top_k))
+
+
+def token_logprobs(model: torch.nn.Module, batch: Batch,
+                   weights: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+    """log pi(x_{j+1} | x_<=j) for every position, [B, T-1]; `weights` overrides the model's."""
+    inputs = dict(input_ids=batch.input_ids, attention_mask=batch.attention)
+    if weights is None:
+        logits = model(**inputs).logits.float()
+    else:
+        logits = torch.func.functional_call(model, weights, args=(), kwargs=inputs).logits.float()
+    logp = torch.log_softmax(logits[:, :-1], dim=-1)
+    return logp.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
+
+
+def valid(sample: RewardedSample) -> str | None:
+    """Why a sample cannot be trained on, or None: nothing malformed reaches a gradient."""
+    t = sample.trajectory
+    if not t.prompt_token_ids or not t.completion_token_ids:
+        return "no prompt or completion token ids"
+    if len(t.completion_logprobs) != len(t.completion_token_ids):
+        return "behaviour logprobs do not match the completion tokens"
+    return None
+
+
+class Trainer:
+    def __init__(self, model_dir: Path, config: LearnerConfig, state: Path | None = None):
+        torch.set_num_threads(config.threads)
+        self.config = config
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        router_replay.install(self.model)
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=config.lr)
+        self.baseline = RunningBaseline()
+        if state is not None:
+            saved = torch.load(state, weights_only=False)
+            self.model.load_state_dict(saved["model"])
+            self.optimizer.load_state_dict(saved["optimizer"])
+            self.baseline.means = saved["baseline"]
+        cfg = self.model.config
+        self.layers, self.top_k = cfg.num_hidden_layers, cfg.num_experts_per_tok
+
+    def advantages(self, samples: list[RewardedSample]) -> torch.Tensor:
+        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+        grouped = [s.trajectory.group_id for s in samples]
+        lone = [i for i, g in enumerate(grouped) if g is None]
+        advantages = group_advantages(rewards, [g or f"lone-{i}" for i, g in enumerate(grouped)])
+        if lone:
+            keys = [samples[i].tenant for i in lone]
+            advantages[lone] = self.baseline.advantages(rewards[lone], keys)
+        return advantages
+
+    def train(self, samples: list[RewardedSample], seed: int = 0) -> dict:
+        """One version's worth of updates on `samples`; returns its metrics."""
+        self.model.train()
+        advantages = self.advantages(samples)
+        order = list(range(len(samples)))
+        stats: dict[str, list[float]] = {"loss": [], "mean_is_weight": [], "clipped_fraction": []}
+        abs_diff: list[torch.Tensor] = []
+        mismatched, routed = 0.0, 0
+        rng = random.Random(seed)
+        for epoch in range(self.config.epochs):
+            rng.shuffle(order)
+            for start in range(0, len(order), self.config.minibatch):
+                idx = order[start : start + self.config.minibatch]
+                batch = collate([samples[i] for i in idx], self.tokenizer.pad_token_id, self.layers, self.top_k)
+                routing = batch.routing if self.config.router_replay else None
+                with router_replay.replay(self.model, routing):
+                    logp = token_logprobs(self.model, batch)
+                if epoch == 0:  # train/inference mismatch, before this batch moves the weights
+                    abs_diff.append(((logp.detach() - batch.behaviour_logp).abs())[batch.completion_mask.bool()])
+                    if batch.routing is not None:
+                        recomputed = router_replay.recomputed_routing(self.model)
+                        n = int((batch.routing >= 0).all(-1).sum())
+                        mismatched += router_replay.routing_mismatch(
+                            recomputed, batch.routing, batch.attention) * n
+                        routed += n
+                loss, step = policy_gradient_loss(
+                    logp, batch.behaviour_logp, advantages[idx], batch.completion_mask,
+                    is_mode=self.config.is_mode, is_threshold=self.config.is_threshold,
+                )
+                self.optimizer.zero_grad()
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+                self.optimizer.step()
+                for k, v in step.items():
+                    stats[k].append(v)
+        diffs = torch.cat(abs_diff) if abs_diff else torch.zeros(1)
+        rewards = [s.reward for s in samples]
+        return {
+            "samples": len(samples),
+            "tokens": int(diffs.numel()),
+            "mean_reward": sum(rewards) / len(rewards),
+            **{k: sum(v) / len(v) for k, v in stats.items() if v},
+            "logprob_mismatch_mean": diffs.mean().item(),
+            "logprob_mismatch_max": diffs.max().item(),
+            "routing_mismatch_fraction": mismatched / routed if routed else None,
+            "router_replay": bool(routed) and self.config.router_replay,
+        }
+
+    def mean_log_ratios(self, samples: list[RewardedSample],
+                        weights: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """Per sequence, mean over completion tokens of log pi - log mu, under `weights`
+        (default: the current ones) - what the offline gate weighs held-out samples by."""
+        self.model.eval()
+        out = []
+        with torch.no_grad():
+            for start in range(0, len(samples), self.config.minibatch):
+                batch = collate(samples[start : start + self.config.minibatch],
+                                self.tokenizer.pad_token_id, self.layers, self.top_k)
+                logp = token_logprobs(self.model, batch, weights)
+                diff = (logp - batch.behaviour_logp) * batch.completion_mask
+                out.append(diff.sum(1) / batch.completion_mask.sum(1).clamp(min=1))
+        return torch.cat(out)
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    def bf16_state(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().to(torch.bfloat16).contiguous() for k, v in self.model.state_dict().items()}
+
+    def export(self, out_dir: Path) -> None:
+        """Write the bf16 rounding of the master weights as an HF model, plus its probe."""
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.model.config.dtype = torch.bfloat16
+        self.model.save_pretrained(out_dir, state_dict=self.bf16_state())
+        self.tokenizer.save_pretrained(out_dir)
+        (out_dir / PROBE_FILE).write_text(json.dumps(probe_logprobs(out_dir, self.tokenizer)))
+
+    def save_state(self, path: Path) -> None:
+        tmp = path.with_suffix(".tmp")
+        torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                    "baseline": self.baseline.means}, tmp)
+        tmp.replace(path)
+
+
+def probe_logprobs(model_dir: Path, tokenizer) -> dict:
+    """Token logprobs of the probe texts under the published weights, in fp32.
+
+    A replica serving this version must reproduce them (same tokens, same numbers).
+    """
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    probes = []
+    with torch.no_grad():
+        for text in PROBE_TEXTS:
+            ids = tokenizer(text)["input_ids"]
+            logits = model(input_ids=torch.tensor([ids])).logits.float()
+            logp = torch.log_softmax(logits[0, :-1], -1).gather(-1, torch.tensor(ids[1:])[:, None])
+            probes.append({"token_ids": ids, "logprobs": logp.squeeze(-1).tolist()})
+    return {"probes": probes}

@@ -1,0 +1,95 @@
+"""Promotion: candidate -> canary (one replica, verified) -> stable (every replica).
+
+Automatic in demo mode (`learner.auto_promote`) for candidates that pass the offline
+gate; manual in production (`liverl policy promote`). Every change is recorded in the
+registry with actor and reason, and announced to ClickHouse's `policy_versions`.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from pathlib import Path
+
+from liverl.contracts import PolicyVersionEvent, Topics
+from liverl.kafka import produce_sync
+from liverl.observability import log, setup_logging
+from liverl.settings import Settings
+from policies.registry import PolicyVersion, Registry
+
+logger = setup_logging("promotion")
+
+
+class Promoter:
+    def __init__(self, settings: Settings, registry: Registry):
+        self.settings = settings
+        self.registry = registry
+        self._offers: queue.Queue[PolicyVersion | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+
+    def announce(self, version: PolicyVersion) -> None:
+        event = PolicyVersionEvent(
+            event_id=f"{version.version}:{len(self.registry.history(version.version))}",
+            version=version.version, parent=version.parent, state=version.state,
+            created_at=version.created_at, content_hash=version.content_hash, metrics=version.metrics)
+        try:
+            produce_sync(self.settings, Topics.POLICY_VERSIONS, event.model_dump_json().encode())
+        except Exception as error:  # analytics must not block a promotion
+            log(logger, "could not announce version", version=version.version, error=repr(error))
+
+    def transition(self, version: str, state: str, actor: str, reason: str) -> PolicyVersion:
+        updated = self.registry.transition(version, state, actor, reason)
+        self.announce(updated)
+        return updated
+
+    def promote(self, version: str, actor: str) -> PolicyVersion:
+        """Canary then stable; a replica that fails verification rolls the version back."""
+        from serving.swap import roll_out
+
+        target = self.registry.get(version)
+        previous = self.registry.stable()
+        self.transition(version, "canary", actor, "offline gate passed; rolling out canary first")
+        reports = roll_out(self.settings, version, Path(target.model_dir))
+        self.registry.update_metrics(version, swaps=[r.model_dump() for r in reports])
+        failed = [r for r in reports if not r.ok]
+        if failed:
+            self.transition(version, "rolled_back", actor, f"{failed[0].replica}: {failed[0].error}")
+            if previous:  # replicas already moved go back to the last stable version
+                roll_out(self.settings, previous.version, Path(previous.model_dir))
+            return self.registry.get(version)
+        if previous and previous.version != version:
+            self.transition(previous.version, "superseded", actor, f"replaced by {version}")
+        return self.transition(version, "stable", actor, "every replica verified")
+
+    # --- automatic promotion, in the background ------------------------------------------
+    def offer(self, version: PolicyVersion) -> None:
+        self.announce(version)
+        if not self.settings.learner.auto_promote:
+            return
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="promoter", daemon=True)
+            self._thread.start()
+        self._offers.put(version)
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._offers.put(None)
+
+    def _run(self) -> None:
+        while (offer := self._offers.get()) is not None:
+            while not self._offers.empty():  # only the newest candidate is worth a swap
+                newer = self._offers.get()
+                if newer is None:
+                    return
+                self.transition(offer.version, "superseded", "promoter", f"{newer.version} is newer")
+                offer = newer
+            gate = offer.metrics.get("gate")
+            if not gate or not gate["passed"]:
+                reason = gate["reason"] if gate else "no held-out samples yet"
+                log(logger, "candidate waits", version=offer.version, reason=reason)
+                continue
+            started = time.time()
+            result = self.promote(offer.version, "promoter")
+            log(logger, "promotion finished", version=offer.version, state=result.state,
+                seconds=round(time.time() - started, 1))

@@ -1,0 +1,195 @@
+"""The policy registry: immutable versions, their lineage, and every state change.
+
+Durable and embedded (SQLite in the data directory). A version's weights live in
+`policies/<version>/` (Hugging Face format, bf16, read-only once written); its row
+records the parent, the sample window it learned from (offsets with the broker's
+cluster id, time range, counts), training metrics and a content hash. The learner
+writes a version, the ids of the samples it trained on and the consumed offsets in
+one transaction, which is what makes learning exactly-once across crashes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sqlite3
+import stat
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, Literal
+
+from pydantic import BaseModel, Field
+
+State = Literal["candidate", "canary", "stable", "rolled_back", "rejected", "superseded"]
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS versions (
+    version TEXT PRIMARY KEY, seq INTEGER UNIQUE, parent TEXT, created_at REAL,
+    state TEXT, model_dir TEXT, content_hash TEXT, window TEXT, metrics TEXT
+);
+CREATE TABLE IF NOT EXISTS events (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, version TEXT, at REAL, from_state TEXT,
+    to_state TEXT, actor TEXT, reason TEXT
+);
+CREATE TABLE IF NOT EXISTS trained_samples (sample_id TEXT PRIMARY KEY, version TEXT);
+CREATE TABLE IF NOT EXISTS offsets (
+    cluster_id TEXT, topic TEXT, partition INTEGER, next_offset INTEGER,
+    PRIMARY KEY (cluster_id, topic, partition)
+);
+"""
+
+
+class SampleWindow(BaseModel):
+    cluster_id: str = Field(description="Broker cluster the offsets belong to.")
+    offsets: dict[str, int] = Field(description="'topic:partition' -> next offset to read.")
+    first_served: float | None = None
+    last_served: float | None = None
+    samples: int = 0
+    dropped_stale: int = 0
+    dropped_consent: int = 0
+    per_version: dict[str, int] = Field(default_factory=dict, description="Samples by behaviour version.")
+
+
+class PolicyVersion(BaseModel):
+    version: str
+    seq: int
+    parent: str | None
+    created_at: float
+    state: State
+    model_dir: str
+    content_hash: str
+    window: SampleWindow | None
+    metrics: dict
+
+
+def content_hash(model_dir: Path) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(model_dir.rglob("*")):
+        if path.is_file():
+            digest.update(path.relative_to(model_dir).as_posix().encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def _make_read_only(model_dir: Path) -> None:
+    for path in model_dir.rglob("*"):
+        if path.is_file():
+            path.chmod(stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH)
+
+
+class Registry:
+    def __init__(self, policies_dir: Path):
+        self.root = policies_dir
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.db = sqlite3.connect(self.root / "registry.sqlite3", isolation_level=None,
+                                  check_same_thread=False, timeout=30)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.executescript(SCHEMA)
+
+    @contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            yield self.db
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+        self.db.execute("COMMIT")
+
+    # --- reading -------------------------------------------------------------------------
+    def _row(self, row: tuple) -> PolicyVersion:
+        version, seq, parent, created, state, model_dir, chash, window, metrics = row
+        return PolicyVersion(version=version, seq=seq, parent=parent, created_at=created,
+                             state=state, model_dir=model_dir, content_hash=chash,
+                             window=SampleWindow.model_validate_json(window) if window else None,
+                             metrics=json.loads(metrics or "{}"))
+
+    def versions(self) -> list[PolicyVersion]:
+        return [self._row(r) for r in self.db.execute("SELECT * FROM versions ORDER BY seq")]
+
+    def get(self, version: str) -> PolicyVersion:
+        row = self.db.execute("SELECT * FROM versions WHERE version = ?", (version,)).fetchone()
+        if row is None:
+            raise KeyError(f"no policy version {version!r}")
+        return self._row(row)
+
+    def latest(self) -> PolicyVersion | None:
+        row = self.db.execute("SELECT * FROM versions ORDER BY seq DESC LIMIT 1").fetchone()
+        return self._row(row) if row else None
+
+    def stable(self) -> PolicyVersion | None:
+        row = self.db.execute(
+            "SELECT * FROM versions WHERE state = 'stable' ORDER BY seq DESC LIMIT 1").fetchone()
+        return self._row(row) if row else None
+
+    def history(self, version: str | None = None) -> list[dict]:
+        query = "SELECT version, at, from_state, to_state, actor, reason FROM events"
+        rows = self.db.execute(query + (" WHERE version = ?" if version else "") + " ORDER BY id",
+                               (version,) if version else ())
+        return [dict(zip(("version", "at", "from", "to", "actor", "reason"), r)) for r in rows]
+
+    def offsets(self, cluster_id: str) -> dict[str, int]:
+        rows = self.db.execute(
+            "SELECT topic, partition, next_offset FROM offsets WHERE cluster_id = ?", (cluster_id,))
+        return {f"{t}:{p}": o for t, p, o in rows}
+
+    def trained(self, sample_ids: list[str]) -> set[str]:
+        found: set[str] = set()
+        for i in range(0, len(sample_ids), 500):
+            chunk = sample_ids[i:i + 500]
+            found.update(r[0] for r in self.db.execute(
+                f"SELECT sample_id FROM trained_samples WHERE sample_id IN ({','.join('?' * len(chunk))})",
+                chunk))
+        return found
+
+    def seq_of(self, version: str) -> int | None:
+        row = self.db.execute("SELECT seq FROM versions WHERE version = ?", (version,)).fetchone()
+        return row[0] if row else None
+
+    # --- writing -------------------------------------------------------------------------
+    def publish(self, staged_dir: Path, *, parent: str | None, window: SampleWindow | None,
+                metrics: dict, sample_ids: list[str], actor: str,
+                state: State = "candidate") -> PolicyVersion:
+        """Move a fully written model directory in as the next version, atomically."""
+        latest = self.latest()
+        seq = latest.seq + 1 if latest else 0
+        version = f"v{seq}"
+        final = self.root / version
+        if final.exists():  # a crash after the rename, before the commit: not a version
+            shutil.rmtree(final)
+        chash = content_hash(staged_dir)
+        os.replace(staged_dir, final)
+        _make_read_only(final)
+        with self.transaction() as db:
+            db.execute("INSERT INTO versions VALUES (?,?,?,?,?,?,?,?,?)",
+                       (version, seq, parent, time.time(), state, str(final), chash,
+                        window.model_dump_json() if window else None, json.dumps(metrics)))
+            db.executemany("INSERT OR IGNORE INTO trained_samples VALUES (?, ?)",
+                           [(s, version) for s in sample_ids])
+            if window:
+                for key, offset in window.offsets.items():
+                    topic, _, partition = key.rpartition(":")
+                    db.execute("INSERT OR REPLACE INTO offsets VALUES (?,?,?,?)",
+                               (window.cluster_id, topic, int(partition), offset))
+            db.execute("INSERT INTO events (version, at, from_state, to_state, actor, reason) "
+                       "VALUES (?,?,?,?,?,?)", (version, time.time(), None, state, actor, "published"))
+        return self.get(version)
+
+    def transition(self, version: str, to_state: State, actor: str, reason: str) -> PolicyVersion:
+        with self.transaction() as db:
+            current = db.execute("SELECT state FROM versions WHERE version = ?", (version,)).fetchone()
+            if current is None:
+                raise KeyError(f"no policy version {version!r}")
+            db.execute("UPDATE versions SET state = ? WHERE version = ?", (to_state, version))
+            db.execute("INSERT INTO events (version, at, from_state, to_state, actor, reason) "
+                       "VALUES (?,?,?,?,?,?)", (version, time.time(), current[0], to_state, actor, reason))
+        return self.get(version)
+
+    def update_metrics(self, version: str, **metrics: object) -> None:
+        with self.transaction() as db:
+            row = db.execute("SELECT metrics FROM versions WHERE version = ?", (version,)).fetchone()
+            merged = dict(json.loads(row[0] or "{}"), **metrics)
+            db.execute("UPDATE versions SET metrics = ? WHERE version = ?", (json.dumps(merged), version))

