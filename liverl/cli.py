@@ -188,3 +188,64 @@ def dlq_replay(event_id: str, payload_file: Optional[Path] = typer.Option(
             return
     fail(f"no dead letter {event_id}")
 
+
+
+# --- policies -------------------------------------------------------------------------------
+policy_app = typer.Typer(help="Policy versions: lineage, state, promotion.")
+app.add_typer(policy_app, name="policy")
+
+
+@policy_app.command("list")
+def policy_list(data_dir: Optional[Path] = DataDir) -> None:
+    from policies.registry import Registry
+
+    rows = [dict(version=v.version, parent=v.parent, state=v.state,
+                 samples=v.window.samples if v.window else "", reward=round(v.metrics.get("mean_reward", 0), 3),
+                 gate=(v.metrics.get("gate") or {}).get("reason", ""), hash=v.content_hash[:12])
+            for v in Registry(settings_from(data_dir).policies_dir).versions()]
+    print_rows(rows, "policy versions")
+
+
+@policy_app.command("show")
+def policy_show(version: str, data_dir: Optional[Path] = DataDir) -> None:
+    from policies.registry import Registry
+
+    registry = Registry(settings_from(data_dir).policies_dir)
+    try:
+        console.print_json(registry.get(version).model_dump_json())
+    except KeyError as error:
+        fail(str(error))
+    print_rows(registry.history(version), f"history of {version}")
+
+
+@policy_app.command("promote")
+def policy_promote(version: str, data_dir: Optional[Path] = DataDir,
+                   actor: str = typer.Option("cli", help="Who promotes (recorded in the audit log).")) -> None:
+    """Roll a version out: one canary replica verified, then every replica."""
+    from policies.promotion import Promoter
+    from policies.registry import Registry
+
+    settings = settings_from(data_dir)
+    registry = Registry(settings.policies_dir)
+    try:
+        result = Promoter(settings, registry).promote(version, actor)
+    except KeyError as error:
+        fail(str(error))
+    console.print(f"{version}: {result.state}")
+
+
+# --- demo ------------------------------------------------------------------------------------
+@app.command()
+def demo(minutes: float = typer.Option(10.0, help="How long the simulated product runs."),
+         users: int = typer.Option(8, help="Concurrent simulated users."),
+         seed: int = typer.Option(0, help="Seed of the users' prompts and sampling."),
+         out: Path = typer.Option(Path("demo-output"), help="Where the plot and summary go.")) -> None:
+    """Start the stack, let simulated users teach the policy a hidden rule, show it learning."""
+    import shutil
+
+    from liverl.demo import demo_settings, run_demo
+
+    settings = demo_settings()
+    shutil.rmtree(settings.data_dir, ignore_errors=True)  # every demo starts from the starter policy
+    result = run_demo(settings, minutes, users, seed, max_tokens=32, out_dir=out, console=console)
+    console.print_json(json.dumps(result))

@@ -100,6 +100,9 @@ class StarterPolicyConfig(BaseModel):
     """The locally built Qwen3-MoE the embedded default serves first."""
 
     seed: int = Field(0, description="Seed for tokenizer corpus order, init and mid-training.")
+    cache_dir: Path = Field(
+        REPO_ROOT / ".liverl/starter", description="Where the starter policy is built once per machine."
+    )
     model_dir: Path | None = Field(
         None, description="Serve this HF checkpoint instead of building the starter policy."
     )
@@ -116,6 +119,12 @@ class ServingConfig(BaseModel):
     dtype: str = Field("float32", description="Compute dtype of the replicas (fp32 on CPU).")
     start_timeout_s: float = Field(240.0, description="How long a replica may take to start.")
     request_timeout_s: float = Field(120.0, description="Gateway -> replica request timeout.")
+    no_replica_wait_s: float = Field(
+        30.0, description="How long a request waits for a replica while every one is swapping."
+    )
+    swap: Literal["inplace", "restart"] = Field(
+        "inplace", description="Load new weights into the running engine, or blue/green restart."
+    )
 
 
 class FeedbackConfig(BaseModel):

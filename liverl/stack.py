@@ -157,7 +157,7 @@ def starter_version(settings: Settings, progress: bool) -> tuple[str, Path]:
     if source is None:
         from policies.starter import build_starter_policy
 
-        source = build_starter_policy(settings.data_dir / "starter", seed=settings.starter.seed,
+        source = build_starter_policy(settings.starter.cache_dir, seed=settings.starter.seed,
                                       progress=progress)
     from learner.trainer import PROBE_FILE, probe_logprobs  # torch: only on first start
 

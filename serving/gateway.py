@@ -55,11 +55,16 @@ class Router:
             self._pool, self._mtime = read_pool(self.settings), mtime
         return self._pool
 
-    def pick(self) -> Replica:
-        enabled = [r for r in self.pool().replicas if r.enabled]
-        if not enabled:
-            raise NoReplica("no replica is serving")
-        return min(enabled, key=lambda r: self.inflight[r.name])
+    async def pick(self) -> Replica:
+        """The least busy enabled replica; while a swap has none enabled, wait for one."""
+        deadline = time.monotonic() + self.settings.serving.no_replica_wait_s
+        while True:
+            enabled = [r for r in self.pool().replicas if r.enabled]
+            if enabled:
+                return min(enabled, key=lambda r: self.inflight[r.name])
+            if time.monotonic() > deadline:
+                raise NoReplica("no replica is serving")
+            await asyncio.sleep(0.02)
 
 
 def upstream_body(body: dict[str, Any], chat: bool) -> dict[str, Any]:
@@ -204,7 +209,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             await record_request(endpoint, key, 400, 0.0, None, None, False, str(error))
             return error_response(400, f"malformed JSON: {error}", "invalid_request_error")
         try:
-            replica = router.pick()
+            replica = await router.pick()
         except NoReplica as error:
             await record_request(endpoint, key, 503, 0.0, None, None, False, str(error))
             return error_response(503, str(error), "service_unavailable")

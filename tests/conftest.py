@@ -9,7 +9,6 @@ import httpx
 import pytest
 
 from liverl.settings import (
-    REPO_ROOT,
     EmbeddedBroker,
     FeedbackConfig,
     PortsConfig,
@@ -24,7 +23,7 @@ def starter_dir() -> Path:
     """The starter policy, built once per machine and shared with `liverl demo`."""
     from policies.starter import build_starter_policy
 
-    return build_starter_policy(REPO_ROOT / ".liverl/policies/starter", seed=0, progress=False)
+    return build_starter_policy(StarterPolicyConfig().cache_dir, seed=0, progress=False)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,254 @@
+"""`liverl demo`: a simulated product teaches the served policy a hidden preference.
+
+Simulated users send code prompts through the gateway with the official `openai`
+client and accept or reject each completion by a rule the policy never sees: the
+completion must parse as Python and stay short. Only accept/reject reaches liverl,
+through the ingest API. Meanwhile the learner trains candidates, the offline gate
+checks them, and passing ones are rolled out; the table shows the accept rate of
+each version as it serves.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+import random
+import threading
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from openai import OpenAI
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from liverl.client import FeedbackClient
+from liverl.settings import Settings
+
+VERSION_SQL = """SELECT policy_version, sum(samples) AS n,
+    round(sum(reward_sum) / n, 3) AS mean_reward,
+    round(sum(accepted) / nullIf(sum(judged), 0), 3) AS accept_rate
+FROM version_hourly GROUP BY policy_version ORDER BY toUInt32(substring(policy_version, 2))"""
+
+PROMPT_STARTS = [
+    "def {name}({args}):\n", "# {doc}\n", "import {module}\n", "class {cls}:\n",
+    "for {var} in range({n}):\n", "if {var} > {n}:\n", "{var} = [",
+]
+FILL = dict(
+    name=["add", "parse", "load", "merge", "count", "split_words", "mean"],
+    args=["a, b", "path", "items", "text, sep", "x", "data, key"],
+    doc=["sort a list", "read a file", "count words", "retry on error", "parse json"],
+    module=["os", "sys", "json", "re", "math", "itertools"],
+    cls=["Stack", "Queue", "Parser", "Config", "Cache"],
+    var=["i", "x", "item", "line", "n"],
+    n=["3", "10", "len(items)", "100"],
+)
+
+
+def make_prompt(rng: random.Random) -> str:
+    template = rng.choice(PROMPT_STARTS)
+    return template.format(**{k: rng.choice(v) for k, v in FILL.items()})
+
+
+def hidden_rule(prompt: str, completion: str, max_lines: int = 4) -> bool:
+    """The users' secret taste: prompt + completion is valid Python, and short."""
+    lines = [l for l in completion.splitlines() if l.strip()]
+    if not lines or len(lines) > max_lines:
+        return False
+    with warnings.catch_warnings():  # the policy's odd literals are not our warnings
+        warnings.simplefilter("ignore")
+        try:
+            ast.parse(prompt + completion)
+        except (SyntaxError, ValueError):
+            return False
+    return True
+
+
+def wilson(accepted: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval of a proportion."""
+    if n == 0:
+        return 0.0, 1.0
+    p = accepted / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(centre - half, 0.0), min(centre + half, 1.0)
+
+
+@dataclass
+class Tally:
+    served: int = 0
+    accepted: int = 0
+    first_at: float = 0.0
+    log: list[tuple[float, bool]] = field(default_factory=list)
+
+
+class Population:
+    """Users hitting the gateway concurrently; their verdicts go to the ingest API."""
+
+    def __init__(self, settings: Settings, api_key: str, users: int, seed: int, max_tokens: int):
+        self.settings = settings
+        self.openai = OpenAI(base_url=settings.url(settings.ports.gateway) + "/v1", api_key=api_key,
+                             max_retries=5)
+        self.feedback = FeedbackClient(settings.url(settings.ports.api), api_key, flush_interval_s=0.2)
+        self.users = users
+        self.seed = seed
+        self.max_tokens = max_tokens
+        self.tallies: dict[str, Tally] = {}
+        self.started = time.time()
+        self.errors = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+
+    def user(self, index: int) -> None:
+        rng = random.Random(self.seed * 1000 + index)
+        while not self._stop.is_set():
+            prompt = make_prompt(rng)
+            try:
+                raw = self.openai.completions.with_raw_response.create(
+                    model="liverl", prompt=prompt, max_tokens=self.max_tokens, temperature=1.0,
+                    seed=rng.randrange(2**31))
+            except Exception:
+                with self._lock:
+                    self.errors += 1
+                time.sleep(0.5)
+                continue
+            completion = raw.parse()
+            version = raw.headers["x-liverl-policy-version"]
+            ok = hidden_rule(prompt, completion.choices[0].text)
+            (self.feedback.accept if ok else self.feedback.reject)(completion.model_extra["completion_id"])
+            with self._lock:
+                tally = self.tallies.setdefault(version, Tally(first_at=time.time() - self.started))
+                tally.served += 1
+                tally.accepted += ok
+                tally.log.append((time.time() - self.started, ok))
+
+    def start(self) -> list[threading.Thread]:
+        threads = [threading.Thread(target=self.user, args=(i,), daemon=True) for i in range(self.users)]
+        for t in threads:
+            t.start()
+        return threads
+
+    def stop(self, threads: list[threading.Thread]) -> None:
+        self._stop.set()
+        for t in threads:
+            t.join()
+        self.feedback.close()
+
+
+def live_table(pop: Population, learner_status: dict) -> Table:
+    elapsed = time.time() - pop.started
+    table = Table(title=f"liverl demo - {elapsed:5.0f} s - learner at {learner_status.get('version', '?')}, "
+                        f"{learner_status.get('pending', 0)} samples pending - {pop.errors} errors")
+    for column in ("version", "first served (s)", "served", "accepted", "accept rate", "95% CI"):
+        table.add_column(column, justify="right")
+    with pop._lock:
+        for version, t in sorted(pop.tallies.items(), key=lambda kv: int(kv[0][1:])):
+            lo, hi = wilson(t.accepted, t.served)
+            table.add_row(version, f"{t.first_at:.0f}", str(t.served), str(t.accepted),
+                          f"{t.accepted / max(t.served, 1):.1%}", f"[{lo:.1%}, {hi:.1%}]")
+    return table
+
+
+def plot(tallies: dict[str, Tally], out_dir: Path) -> tuple[Path, Path]:
+    """Accept rate per version over time: a PNG, and an HTML page embedding it as SVG."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    for version, t in sorted(tallies.items(), key=lambda kv: int(kv[0][1:])):
+        if not t.log:
+            continue
+        times = [x for x, _ in t.log]
+        rate = sum(ok for _, ok in t.log) / len(t.log)
+        lo, hi = wilson(sum(ok for _, ok in t.log), len(t.log))
+        ax.hlines(rate, min(times), max(times), linewidth=3, label=f"{version} ({len(t.log)} served)")
+        ax.fill_between([min(times), max(times)], lo, hi, alpha=0.2)
+    ax.set_xlabel("seconds since the first request")
+    ax.set_ylabel("accept rate (95% CI)")
+    ax.set_ylim(0, 1)
+    ax.set_title("Accept rate of each served policy version")
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    png, html = out_dir / "accept_rate.png", out_dir / "accept_rate.html"
+    fig.savefig(png, dpi=120)
+    svg = io.StringIO()
+    fig.savefig(svg, format="svg")
+    plt.close(fig)
+    html.write_text(f"<!doctype html><title>liverl demo</title><h1>Accept rate per policy version</h1>"
+                    f"{svg.getvalue()[svg.getvalue().index('<svg'):]}")
+    return png, html
+
+
+def summary(tallies: dict[str, Tally]) -> dict:
+    versions = sorted(tallies, key=lambda v: int(v[1:]))
+    first = tallies[versions[0]]
+    judged = [v for v in versions if tallies[v].served >= 30] or versions
+    best = max(judged, key=lambda v: tallies[v].accepted / max(tallies[v].served, 1))
+    b = tallies[best]
+    return {
+        "starter": {"version": versions[0], "served": first.served,
+                    "accept_rate": first.accepted / max(first.served, 1), "ci": wilson(first.accepted, first.served)},
+        "best": {"version": best, "served": b.served, "accept_rate": b.accepted / max(b.served, 1),
+                 "ci": wilson(b.accepted, b.served), "first_served_s": b.first_at},
+    }
+
+
+def run_demo(settings: Settings, minutes: float, users: int, seed: int, max_tokens: int,
+             out_dir: Path, console: Console) -> dict:
+    import httpx
+
+    from liverl.cli import print_rows
+    from liverl.stack import down, drain, up
+
+    console.print("[bold]starting the embedded stack[/bold]")
+    up(settings, say=console.print)
+    try:
+        keys = json.loads((settings.data_dir / "dev-keys.json").read_text())
+        pop = Population(settings, keys["tenant_key"], users, seed, max_tokens)
+        threads = pop.start()
+        learner_url = settings.url(settings.ports.learner) + "/health"
+        status: dict = {}
+        with Live(live_table(pop, status), console=console, refresh_per_second=2) as live:
+            while time.time() - pop.started < minutes * 60:
+                time.sleep(1)
+                try:
+                    status = httpx.get(learner_url, timeout=2).json()
+                except httpx.HTTPError:
+                    pass
+                live.update(live_table(pop, status))
+        pop.stop(threads)
+        drain(settings, settings.drain_timeout_s, say=lambda _: None)
+        per_version = json.loads(httpx.post(settings.url(settings.ports.sink) + "/sql", timeout=60, json={
+            "sql": VERSION_SQL, "format": "json"}).text)["data"]
+        print_rows(per_version, "per policy version, from ClickHouse")
+        result = summary(pop.tallies)
+        result["clickhouse"] = per_version
+        png, html = plot(pop.tallies, out_dir)
+        (out_dir / "summary.json").write_text(json.dumps(result, indent=2))
+        console.print(f"plot: {png} and {html}")
+    finally:
+        console.print("[bold]draining and stopping[/bold]")
+        down(settings, say=console.print)
+    return result
+
+
+def demo_settings() -> Settings:
+    """The demo's stack: its own data directory, fast cadence, automatic promotion."""
+    settings = Settings()
+    settings.data_dir = settings.data_dir / "demo"
+    settings.learner.batch_samples = 96
+    settings.learner.lr = 3e-4
+    settings.learner.auto_promote = True
+    settings.learner.max_version_lag = 3
+    settings.learner.gate_min_ess = 5.0
+    settings.learner.gate_margin = 0.1
+    settings.feedback.reward_window_s = 300.0
+    return settings
