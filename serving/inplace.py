@@ -62,6 +62,21 @@ def _prepack_on_weight_update():
         cls._setup_kernel = original
 
 
+def _checkpoint_layout(path: str) -> dict[str, list[int]]:
+    """{tensor name: shape} from the safetensors headers in ``path`` (no data read)."""
+    from safetensors import safe_open
+
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {path}")
+    layout: dict[str, list[int]] = {}
+    for f in files:
+        with safe_open(os.path.join(path, f), framework="pt") as st:
+            for name in st.keys():
+                layout[name] = list(st.get_slice(name).get_shape())
+    return layout
+
+
 def _checkpoint_digest(path: str) -> tuple[str, int]:
     """sha256 over (name, dtype, shape, bytes) of every tensor, sorted by name."""
     import torch
@@ -93,29 +108,59 @@ class InplaceWeightsExtension:
     """Mixed into vLLM's worker class (``--worker-extension-cls``); methods are
     callable through ``POST /collective_rpc``."""
 
-    def inplace_load_weights_from_dir(self, path: str) -> dict:
+    def inplace_load_weights_from_dir(
+        self, path: str, allow_partial: bool = False, digest: bool = True
+    ) -> dict:
         """Load a same-architecture HF safetensors checkpoint from ``path``
         into the running model in place, with CPU MoE repacking.
 
-        Call between ``POST /pause?mode=keep`` and ``POST /resume`` (the
-        worker runs it between engine steps anyway; pausing keeps a step from
-        mixing versions across the update of in-flight requests' KV).  Prefix
-        cache should be reset afterwards (``POST /reset_prefix_cache``) since
-        cached KV was computed with the old weights.
+        By default ``path`` must hold a *full* checkpoint: the same tensor
+        names and shapes as the checkpoint the replica was started from
+        (checked from the safetensors headers before anything is touched).
+        A partial directory is only correct when every fused vLLM module it
+        touches is complete (all of q/k/v for qkv_proj, gate+up, *every*
+        expert of a layer's MoE): the layerwise reloader materializes a
+        touched module with uninitialized storage and fills only what is
+        loaded.  ``allow_partial=True`` skips the check; the caller owns that
+        invariant.
+
+        The RPC runs in the worker between engine steps.  Bracket it with
+        ``POST /pause?mode=keep`` ... ``POST /reset_prefix_cache?reset_running_requests=true``
+        ... ``POST /resume``: without the prefix-cache reset, a later prompt
+        that hits cached blocks reuses KV computed with the old weights
+        (measured: wrong logprobs); ``reset_running_requests`` also makes the
+        kept in-flight requests re-prefill under the new weights.
         """
         t0 = time.perf_counter()
+        layout = _checkpoint_layout(path)
+        ref = getattr(self, "_inplace_ref_layout", None)
+        if ref is None:
+            # the checkpoint the engine was started from (before any reload
+            # rewrites model_config.model)
+            ref = _checkpoint_layout(self.vllm_config.model_config.model)
+            self._inplace_ref_layout = ref
+        if not allow_partial and layout != ref:
+            missing = sorted(set(ref) - set(layout))
+            extra = sorted(set(layout) - set(ref))
+            shape = sorted(k for k in set(ref) & set(layout) if ref[k] != layout[k])
+            raise ValueError(
+                f"{path} is not a full checkpoint of the served architecture: "
+                f"missing={missing[:5]}({len(missing)}) extra={extra[:5]}({len(extra)}) "
+                f"shape_mismatch={shape[:5]}({len(shape)})"
+            )
         with _prepack_on_weight_update() as repacked:
             # same entry point as /collective_rpc reload_weights
             self.reload_weights(weights_path=path, is_checkpoint_format=True)
         t1 = time.perf_counter()
-        digest, n = _checkpoint_digest(path)
+        sha, n = _checkpoint_digest(path) if digest else (None, len(layout))
         t2 = time.perf_counter()
         return {
             "path": path,
             "moe_layers_repacked": len(repacked),
             "moe_experts_cls": sorted(set(repacked)),
             "tensors": n,
-            "sha256": digest,
+            "partial": layout != ref,
+            "sha256": sha,
             "load_s": round(t1 - t0, 4),
             "digest_s": round(t2 - t1, 4),
         }

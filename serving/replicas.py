@@ -67,6 +67,8 @@ def replica_command(settings: Settings, model_dir: Path, port: int) -> list[str]
         # On CPU this sizes host memory, not GPU memory (DESIGN.md).
         "--gpu-memory-utilization", "0.3",
         "--max-logprobs", "20", "--disable-uvicorn-access-log",
+        # Loads new weights in place correctly (stock reload corrupts MoE experts on CPU).
+        "--worker-extension-cls", "serving.inplace.InplaceWeightsExtension",
     ]
 
 

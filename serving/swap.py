@@ -1,12 +1,19 @@
-"""Putting a policy version into serving: replace, verify, roll out canary first.
+"""Putting a policy version into serving: swap, verify, roll out canary first.
 
-vLLM's in-place `reload_weights` on CPU changes outputs even for identical weights
-(DESIGN.md; reproduced here: a probe logprob moved from -6.9125 to -6.9137), so the
-path that verifies is blue/green per replica: start the new version beside the old
-one, check its logprobs on the version's probe set against the trainer's, point the
-gateway at it (new requests go there at once), wait for the old one's in-flight
-requests to finish, then stop it. No request is dropped; a replica that fails the
-probe never takes traffic and the old one keeps serving.
+Two ways, one contract (the replica ends on the new version verified, or on the old
+one, never on unverified weights):
+
+- "inplace" (default): vLLM's stock `reload_weights` corrupts MoE experts on CPU
+  (docs/inplace-reload.md), so replicas run with our worker extension
+  (`serving/inplace.py`) that reloads and re-packs them. The commit: the gateway stops
+  sending the replica new requests (they wait or go to another replica), vLLM pauses
+  keeping in-flight requests, the weights load, the prefix cache is reset (cached
+  KV came from the old weights), vLLM resumes, the version's probe set is checked
+  against the trainer's logprobs, and only then does the gateway route to it again.
+  A replica that fails the probe loads its old weights back, is verified again, and
+  serves on.
+- "restart": blue/green per replica: start the new version beside the old, verify,
+  point the gateway at it, let the old one finish its requests, stop it.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ import time
 from pathlib import Path
 
 import httpx
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from learner.trainer import PROBE_FILE
 from liverl.process import stop_pid, wait_until
@@ -41,10 +48,14 @@ class SwapReport(BaseModel):
     replica: str
     version: str
     ok: bool
+    mode: str
+    pause_s: float = Field(0.0, description="Time the replica took no new requests.")
+    load_s: float = 0.0
     start_s: float = 0.0
     verify_s: float = 0.0
     drain_s: float = 0.0
     max_logprob_diff: float | None = None
+    reverted: bool = False
     error: str | None = None
 
 
@@ -85,9 +96,67 @@ def spare_port(settings: Settings, replica: Replica) -> int:
     return green if replica.url.endswith(f":{blue}") else blue
 
 
-def replace_replica(settings: Settings, name: str, version: str, model_dir: Path) -> SwapReport:
+def set_replica(settings: Settings, name: str, **changes: object) -> Replica:
+    pool = read_pool(settings)
+    updated = pool.get(name).model_copy(update=changes)
+    pool.replicas = [updated if r.name == name else r for r in pool.replicas]
+    write_pool(settings, pool)
+    return updated
+
+
+def load_in_place(url: str, model_dir: Path) -> None:
+    """Pause keeping in-flight requests, load, drop stale KV, resume."""
+    with httpx.Client(base_url=url, timeout=120) as http:
+        http.post("/pause", params={"mode": "keep"}).raise_for_status()
+        try:
+            http.post("/collective_rpc", json={"method": "inplace_load_weights_from_dir",
+                                               "kwargs": {"path": str(model_dir)}}).raise_for_status()
+            http.post("/reset_prefix_cache", params={"reset_running_requests": "true"}).raise_for_status()
+        finally:
+            http.post("/resume").raise_for_status()
+
+
+def swap_in_place(settings: Settings, name: str, version: str, model_dir: Path) -> SwapReport:
     old = read_pool(settings).get(name)
-    report = SwapReport(replica=name, version=version, ok=False)
+    report = SwapReport(replica=name, version=version, ok=False, mode="inplace")
+    paused = time.time()
+    set_replica(settings, name, enabled=False)
+    try:
+        t = time.time()
+        load_in_place(old.url, model_dir)
+        report.load_s = time.time() - t
+        t = time.time()
+        report.max_logprob_diff = verify(old.url, model_dir, settings.learner.probe_tolerance)
+        report.verify_s = time.time() - t
+        set_replica(settings, name, enabled=True, policy_version=version, model_dir=str(model_dir))
+        report.ok = True
+    except (VerificationFailed, httpx.HTTPError) as error:
+        report.error = str(error)
+        report.reverted = revert(settings, old)
+    report.pause_s = time.time() - paused
+    return report
+
+
+def revert(settings: Settings, old: Replica) -> bool:
+    """Back to the weights the replica had, verified; a restart if even that fails."""
+    try:
+        load_in_place(old.url, Path(old.model_dir))
+        verify(old.url, Path(old.model_dir), settings.learner.probe_tolerance)
+    except (VerificationFailed, httpx.HTTPError):
+        return swap_by_restart(settings, old.name, old.policy_version, Path(old.model_dir)).ok
+    set_replica(settings, old.name, enabled=True)
+    return True
+
+
+def replace_replica(settings: Settings, name: str, version: str, model_dir: Path) -> SwapReport:
+    if settings.serving.swap == "inplace":
+        return swap_in_place(settings, name, version, model_dir)
+    return swap_by_restart(settings, name, version, model_dir)
+
+
+def swap_by_restart(settings: Settings, name: str, version: str, model_dir: Path) -> SwapReport:
+    old = read_pool(settings).get(name)
+    report = SwapReport(replica=name, version=version, ok=False, mode="restart")
     started = time.time()
     new, process = launch_replica(settings, name, model_dir, spare_port(settings, old), version)
     try:
@@ -100,9 +169,7 @@ def replace_replica(settings: Settings, name: str, version: str, model_dir: Path
         stop_pid(process.pid)
         report.error = str(error)
         return report
-    pool = read_pool(settings)
-    pool.replicas = [new if r.name == name else r for r in pool.replicas]
-    write_pool(settings, pool)
+    set_replica(settings, name, **new.model_dump(exclude={"name"}))
     t = time.time()
     wait_until(lambda: in_flight(old.url) == 0, settings.serving.request_timeout_s)
     report.drain_s = time.time() - t
