@@ -82,6 +82,8 @@ class Learner:
         self.window_started = time.time()
         self.promoter = Promoter(settings, self.registry)
         self.cluster_id = settings.broker_cluster_id or "external"
+        self.committed: dict[TopicPartition, int] = {}
+        self.flush_requested = threading.Event()
 
     # --- consuming -------------------------------------------------------------------------
     def consumer(self) -> KafkaConsumer:
@@ -161,7 +163,7 @@ class Learner:
             sample_ids=[s.sample_id for s in batch], actor="learner",
         )
         # After the registry has it: a crash here re-reads the offsets from the registry.
-        consumer.commit({tp: OffsetAndMetadata(o, "", -1) for tp, o in self.next_offsets.items()})
+        self.commit(consumer)
         log(logger, "version written", version=version.version, samples=len(batch),
             reward=metrics["mean_reward"], seconds=round(metrics["train_seconds"], 2))
         self.current = version
@@ -171,6 +173,17 @@ class Learner:
         VERSION.set(version.seq)
         self.promoter.offer(version)
         return version
+
+    def commit(self, consumer: KafkaConsumer) -> None:
+        consumer.commit({tp: OffsetAndMetadata(o, "", -1) for tp, o in self.next_offsets.items()})
+        self.committed = dict(self.next_offsets)
+
+    def settle(self, consumer: KafkaConsumer) -> None:
+        """Nothing pending, yet offsets moved (all dropped): record them, so a drain ends."""
+        if not self.pending and self.next_offsets != self.committed:
+            self.registry.record_offsets(
+                self.cluster_id, {f"{tp.topic}:{tp.partition}": o for tp, o in self.next_offsets.items()})
+            self.commit(consumer)
 
     def run(self, stop: threading.Event) -> None:
         consumer = self.consumer()
@@ -182,8 +195,10 @@ class Learner:
                         self.take(record.value)
                         self.next_offsets[tp] = record.offset + 1
                 PENDING.set(len(self.pending))
-                if self.due():
+                if self.due() or (self.flush_requested.is_set() and self.pending):
                     self.learn(consumer)
+                self.flush_requested.clear()
+                self.settle(consumer)
         finally:
             consumer.close(autocommit=False)
             self.promoter.stop()
@@ -197,6 +212,12 @@ def create_app(settings: Settings) -> tuple[FastAPI, Learner]:
     @app.get("/health")
     def health() -> dict:
         return {"ok": True, "version": learner.current.version, "pending": len(learner.pending)}
+
+    @app.post("/flush")
+    def flush() -> dict:
+        """Learn from whatever is pending now (a clean shutdown must not strand samples)."""
+        learner.flush_requested.set()
+        return {"pending": len(learner.pending)}
 
     return app, learner
 

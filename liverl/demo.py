@@ -206,7 +206,7 @@ def run_demo(settings: Settings, minutes: float, users: int, seed: int, max_toke
     import httpx
 
     from liverl.cli import print_rows
-    from liverl.stack import down, drain, up
+    from liverl.stack import StackError, down, drain, up
 
     console.print("[bold]starting the embedded stack[/bold]")
     up(settings, say=console.print)
@@ -236,7 +236,11 @@ def run_demo(settings: Settings, minutes: float, users: int, seed: int, max_toke
         console.print(f"plot: {png} and {html}")
     finally:
         console.print("[bold]draining and stopping[/bold]")
-        down(settings, say=console.print)
+        try:
+            down(settings, say=console.print)
+        except StackError as error:
+            console.print(f"[red]{error}[/red]; stopping without draining")
+            down(settings, say=console.print, force=True)
     return result
 
 

@@ -245,6 +245,9 @@ def drain(settings: Settings, timeout: float, say: Callable[[str], None]) -> Non
         lags = {g: asyncio.run(group_lag(settings, g, topics)) for g, topics in groups.items()}
         if not any(lags.values()):
             return
+        if settings.learner.enabled and not lags["liverl-feedback"]:
+            # Every sample is out: the learner learns from what it still holds.
+            httpx.post(settings.url(settings.ports.learner) + "/flush", timeout=10)
         if time.time() > deadline:
             raise StackError(f"drain timed out with lag {lags}; rerun `liverl down` or use --force")
         say(f"  draining: {lags}")

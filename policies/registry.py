@@ -170,13 +170,22 @@ class Registry:
             db.executemany("INSERT OR IGNORE INTO trained_samples VALUES (?, ?)",
                            [(s, version) for s in sample_ids])
             if window:
-                for key, offset in window.offsets.items():
-                    topic, _, partition = key.rpartition(":")
-                    db.execute("INSERT OR REPLACE INTO offsets VALUES (?,?,?,?)",
-                               (window.cluster_id, topic, int(partition), offset))
+                self._write_offsets(db, window.cluster_id, window.offsets)
             db.execute("INSERT INTO events (version, at, from_state, to_state, actor, reason) "
                        "VALUES (?,?,?,?,?,?)", (version, time.time(), None, state, actor, "published"))
         return self.get(version)
+
+    def record_offsets(self, cluster_id: str, offsets: dict[str, int]) -> None:
+        """Advance offsets past samples that were consumed but not learned (dropped)."""
+        with self.transaction() as db:
+            self._write_offsets(db, cluster_id, offsets)
+
+    @staticmethod
+    def _write_offsets(db: sqlite3.Connection, cluster_id: str, offsets: dict[str, int]) -> None:
+        for key, offset in offsets.items():
+            topic, _, partition = key.rpartition(":")
+            db.execute("INSERT OR REPLACE INTO offsets VALUES (?,?,?,?)",
+                       (cluster_id, topic, int(partition), offset))
 
     def transition(self, version: str, to_state: State, actor: str, reason: str) -> PolicyVersion:
         with self.transaction() as db:
