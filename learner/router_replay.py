@@ -33,6 +33,7 @@ def _routed_forward(router: torch.nn.Module, hidden_states: torch.Tensor):
         # Tokens without a record (-1) keep the recomputed choice.
         known = (router.replay >= 0).all(dim=-1, keepdim=True)
         indices = torch.where(known, router.replay, recomputed)
+    router.used = indices
     weights = probs.gather(-1, indices)
     if router.norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -44,6 +45,7 @@ def install(model: torch.nn.Module) -> None:
     for router in moe_routers(model):
         router.replay = None
         router.recomputed = None
+        router.used = None
         router.forward = types.MethodType(_routed_forward, router)
 
 
@@ -61,8 +63,13 @@ def replay(model: torch.nn.Module, routing: torch.Tensor | None):
 
 
 def recomputed_routing(model: torch.nn.Module) -> torch.Tensor:
-    """[layers, batch*seq, top_k] of what the routers chose on the last forward."""
+    """[layers, batch*seq, top_k]: what the routers would choose on the last forward."""
     return torch.stack([r.recomputed for r in moe_routers(model)])
+
+
+def used_routing(model: torch.nn.Module) -> torch.Tensor:
+    """[layers, batch*seq, top_k]: the experts the last forward actually ran."""
+    return torch.stack([r.used for r in moe_routers(model)])
 
 
 def routing_mismatch(recomputed: torch.Tensor, served: torch.Tensor, mask: torch.Tensor) -> float:

@@ -29,6 +29,7 @@ from pydantic import ValidationError
 
 from learner.trainer import Trainer, valid
 from liverl.contracts import RewardedSample, Topics
+from liverl.faults import crash_point
 from liverl.kafka import KAFKA_PYTHON_API_VERSION
 from liverl.observability import log, mount_metrics, setup_logging
 from liverl.settings import Settings, get_settings
@@ -84,6 +85,7 @@ class Learner:
         self.cluster_id = settings.broker_cluster_id or "external"
         self.committed: dict[TopicPartition, int] = {}
         self.flush_requested = threading.Event()
+        self.paused = threading.Event()
 
     # --- consuming -------------------------------------------------------------------------
     def consumer(self) -> KafkaConsumer:
@@ -163,6 +165,7 @@ class Learner:
             sample_ids=[s.sample_id for s in batch], actor="learner",
         )
         # After the registry has it: a crash here re-reads the offsets from the registry.
+        crash_point("learner.after_publish")
         self.commit(consumer)
         log(logger, "version written", version=version.version, samples=len(batch),
             reward=metrics["mean_reward"], seconds=round(metrics["train_seconds"], 2))
@@ -190,6 +193,9 @@ class Learner:
         VERSION.set(self.current.seq)
         try:
             while not stop.is_set():
+                if self.paused.is_set():  # on-call paused learning: consume nothing, write nothing
+                    time.sleep(0.2)
+                    continue
                 for tp, records in consumer.poll(timeout_ms=500).items():
                     for record in records:
                         self.take(record.value)
@@ -211,7 +217,18 @@ def create_app(settings: Settings) -> tuple[FastAPI, Learner]:
 
     @app.get("/health")
     def health() -> dict:
-        return {"ok": True, "version": learner.current.version, "pending": len(learner.pending)}
+        return {"ok": True, "version": learner.current.version, "pending": len(learner.pending),
+                "paused": learner.paused.is_set(), "promoting": learner.promoter.busy.is_set()}
+
+    @app.post("/pause")
+    def pause() -> dict:
+        learner.paused.set()
+        return {"paused": True, "version": learner.current.version}
+
+    @app.post("/resume")
+    def resume() -> dict:
+        learner.paused.clear()
+        return {"paused": False, "version": learner.current.version}
 
     @app.post("/flush")
     def flush() -> dict:

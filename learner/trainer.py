@@ -120,7 +120,7 @@ class Trainer:
         order = list(range(len(samples)))
         stats: dict[str, list[float]] = {"loss": [], "mean_is_weight": [], "clipped_fraction": []}
         abs_diff: list[torch.Tensor] = []
-        mismatched, routed = 0.0, 0
+        mismatched, replayed_mismatched, routed = 0.0, 0.0, 0
         rng = random.Random(seed)
         for epoch in range(self.config.epochs):
             rng.shuffle(order)
@@ -133,10 +133,11 @@ class Trainer:
                 if epoch == 0:  # train/inference mismatch, before this batch moves the weights
                     abs_diff.append(((logp.detach() - batch.behaviour_logp).abs())[batch.completion_mask.bool()])
                     if batch.routing is not None:
-                        recomputed = router_replay.recomputed_routing(self.model)
                         n = int((batch.routing >= 0).all(-1).sum())
                         mismatched += router_replay.routing_mismatch(
-                            recomputed, batch.routing, batch.attention) * n
+                            router_replay.recomputed_routing(self.model), batch.routing, batch.attention) * n
+                        replayed_mismatched += router_replay.routing_mismatch(
+                            router_replay.used_routing(self.model), batch.routing, batch.attention) * n
                         routed += n
                 loss, step = policy_gradient_loss(
                     logp, batch.behaviour_logp, advantages[idx], batch.completion_mask,
@@ -157,7 +158,10 @@ class Trainer:
             **{k: sum(v) / len(v) for k, v in stats.items() if v},
             "logprob_mismatch_mean": diffs.mean().item(),
             "logprob_mismatch_max": diffs.max().item(),
+            # Recomputed top-k vs served (what training would use without replay)...
             "routing_mismatch_fraction": mismatched / routed if routed else None,
+            # ...and the experts the training pass actually ran vs served (0 with replay).
+            "trained_routing_mismatch_fraction": replayed_mismatched / routed if routed else None,
             "router_replay": bool(routed) and self.config.router_replay,
         }
 

@@ -249,3 +249,28 @@ def demo(minutes: float = typer.Option(10.0, help="How long the simulated produc
     shutil.rmtree(settings.data_dir, ignore_errors=True)  # every demo starts from the starter policy
     result = run_demo(settings, minutes, users, seed, max_tokens=32, out_dir=out, console=console)
     console.print_json(json.dumps(result))
+
+
+# --- learner --------------------------------------------------------------------------------
+learner_app = typer.Typer(help="The learner: pause or resume learning.")
+app.add_typer(learner_app, name="learner")
+
+
+def learner_call(data_dir: Optional[Path], verb: str) -> None:
+    settings = settings_from(data_dir)
+    try:
+        response = httpx.post(settings.url(settings.ports.learner) + f"/{verb}", timeout=10)
+    except httpx.ConnectError:
+        fail("the learner is not reachable; is the stack up (`liverl status`)?")
+    console.print_json(response.text)
+
+
+@learner_app.command("pause")
+def learner_pause(data_dir: Optional[Path] = DataDir) -> None:
+    """Stop consuming and writing versions (serving is untouched)."""
+    learner_call(data_dir, "pause")
+
+
+@learner_app.command("resume")
+def learner_resume(data_dir: Optional[Path] = DataDir) -> None:
+    learner_call(data_dir, "resume")

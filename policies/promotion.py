@@ -27,6 +27,7 @@ class Promoter:
         self.registry = registry
         self._offers: queue.Queue[PolicyVersion | None] = queue.Queue()
         self._thread: threading.Thread | None = None
+        self.busy = threading.Event()
 
     def announce(self, version: PolicyVersion) -> None:
         event = PolicyVersionEvent(
@@ -90,6 +91,10 @@ class Promoter:
                 log(logger, "candidate waits", version=offer.version, reason=reason)
                 continue
             started = time.time()
-            result = self.promote(offer.version, "promoter")
+            self.busy.set()
+            try:
+                result = self.promote(offer.version, "promoter")
+            finally:
+                self.busy.clear()
             log(logger, "promotion finished", version=offer.version, state=result.state,
                 seconds=round(time.time() - started, 1))

@@ -1,0 +1,185 @@
+"""The learning plane on the shared stack: exactly-once learning, staleness, router
+replay records, swaps under load, and a corrupted version that must not serve."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import threading
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from helpers import item, wait_for
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig
+
+from liverl.process import spawn, stop_pid
+from liverl.stack import child_env, read_manifest
+from policies.promotion import Promoter
+from policies.registry import Registry
+from serving.replicas import read_pool
+
+
+def learner_health(settings) -> dict:
+    return httpx.get(settings.url(settings.ports.learner) + "/health", timeout=5).json()
+
+
+def synthetic_batch(n: int, version: str, routing: tuple[int, int] | None = None) -> list[dict]:
+    """Trajectories as product code would post them, each with its feedback.
+
+    routing=(layers, top_k) attaches recorded experts per token and layer."""
+    batch = []
+    for i in range(n):
+        cid = f"cmpl-syn-{uuid.uuid4().hex}"
+        body = {"completion_id": cid, "policy_version": version, "prompt_token_ids": [5, 6, 7],
+                "completion_token_ids": [8, 9, 10, 11], "completion_logprobs": [-2.0, -2.1, -1.9, -2.2]}
+        if routing:  # [token][layer][k] for prompt + completion tokens
+            layers, k = routing
+            body["routed_experts"] = [[list(range(k)) for _ in range(layers)] for _ in range(7)]
+        batch.append(item(f"t-{cid}", body, type="trajectory"))
+        batch.append(item(f"f-{cid}", {"kind": "accept" if i % 2 else "reject", "completion_id": cid}))
+    return batch
+
+
+@pytest.fixture()
+def paused_learner(settings, stack):
+    """Learning paused and no promotion in flight, so a test owns the replicas."""
+    httpx.post(settings.url(settings.ports.learner) + "/pause", timeout=10)
+    wait_for(lambda: not learner_health(settings)["promoting"], timeout=120)
+    yield
+    httpx.post(settings.url(settings.ports.learner) + "/resume", timeout=10)
+
+
+def restart_learner(settings, fault: str | None = None) -> int:
+    manifest = read_manifest(settings)
+    learner = next(c for c in manifest.components if c.name == "learner")
+    stop_pid(learner.pid)
+    env = child_env(settings)
+    if fault:
+        env["LIVERL_FAULT"] = fault
+    process = spawn([sys.executable, "-m", "learner.service"], env, Path(learner.log))
+    learner.pid = process.pid
+    (settings.run_dir / "stack.json").write_text(manifest.model_dump_json(indent=2))
+    return process.pid
+
+
+def test_learner_killed_after_publish_loses_and_duplicates_nothing(settings, api):
+    registry = Registry(settings.policies_dir)
+    before = registry.latest().seq
+    restart_learner(settings, fault="learner.after_publish")
+    wait_for(lambda: learner_health(settings), timeout=60)
+    current = learner_health(settings)["version"]
+    sent = synthetic_batch(settings.learner.batch_samples, current)
+    assert api.post("/v1/ingestion", json={"batch": sent}).json()["rejected"] == 0
+    # The learner writes the version, then dies before committing its Kafka offsets.
+    wait_for(lambda: registry.latest().seq > before, timeout=120)
+    crashed = registry.latest()
+    restart_learner(settings)
+    wait_for(lambda: learner_health(settings), timeout=60)
+    # Resumed from the registry: the same samples are not learned again, and new ones are.
+    more = synthetic_batch(settings.learner.batch_samples, crashed.version)
+    api.post("/v1/ingestion", json={"batch": more})
+    ids = {b["body"]["completion_id"] for b in sent + more if b["type"] == "trajectory"}
+
+    def all_trained() -> bool:
+        httpx.post(settings.url(settings.ports.learner) + "/flush", timeout=10)
+        return registry.trained(sorted(ids)) == ids
+    wait_for(all_trained, timeout=120, interval=2)
+    rows = registry.db.execute(
+        f"SELECT sample_id, count(*) FROM trained_samples WHERE sample_id IN "
+        f"({','.join('?' * len(ids))}) GROUP BY sample_id HAVING count(*) > 1", sorted(ids)).fetchall()
+    assert rows == []
+    windows = [v.window for v in registry.versions() if v.seq > before and v.window]
+    assert sum(w.samples for w in windows) >= len(ids)
+    assert (settings.data_dir / "learner" / f"{crashed.version}.pt").exists()
+
+
+def test_stale_samples_are_dropped_and_counted(settings, api):
+    registry = Registry(settings.policies_dir)
+    while registry.latest().seq <= settings.learner.max_version_lag:
+        seq = registry.latest().seq
+        api.post("/v1/ingestion", json={"batch": synthetic_batch(
+            settings.learner.batch_samples, registry.latest().version)})
+        wait_for(lambda: registry.latest().seq > seq, timeout=120)
+    start = registry.latest().seq
+    stale = synthetic_batch(8, "v0")
+    fresh = synthetic_batch(settings.learner.batch_samples, registry.latest().version)
+    api.post("/v1/ingestion", json={"batch": stale + fresh})
+    wait_for(lambda: any(v.window and v.window.dropped_stale for v in registry.versions() if v.seq > start),
+             timeout=120)
+    stale_ids = {b["body"]["completion_id"] for b in stale if b["type"] == "trajectory"}
+    assert registry.trained(sorted(stale_ids)) == set()
+
+
+def test_router_replay_mismatch_is_recorded_per_version(settings, api):
+    registry = Registry(settings.policies_dir)
+    start = registry.latest().seq
+    config = AutoConfig.from_pretrained(registry.latest().model_dir)
+    api.post("/v1/ingestion", json={"batch": synthetic_batch(
+        settings.learner.batch_samples, registry.latest().version,
+        routing=(config.num_hidden_layers, config.num_experts_per_tok))})
+    version = wait_for(lambda: next((v for v in registry.versions() if v.seq > start
+                                     and v.metrics.get("router_replay")), None), timeout=120)
+    assert version.metrics["trained_routing_mismatch_fraction"] == 0.0  # by construction
+    assert 0.0 <= version.metrics["routing_mismatch_fraction"] <= 1.0
+    assert version.metrics["logprob_mismatch_max"] >= version.metrics["logprob_mismatch_mean"] >= 0
+
+
+def test_swap_under_load_drops_no_request(settings, dev_keys, paused_learner):
+    registry = Registry(settings.policies_dir)
+    target = registry.latest()
+    if read_pool(settings).replicas[0].policy_version == target.version:
+        target = registry.get(target.parent)
+    statuses: list[int] = []
+    stop = threading.Event()
+
+    def load() -> None:
+        with httpx.Client(timeout=120, headers={"Authorization": f"Bearer {dev_keys['tenant_key']}"}) as c:
+            while not stop.is_set():
+                r = c.post(settings.url(settings.ports.gateway) + "/v1/completions",
+                           json={"model": "liverl", "prompt": "def f():\n", "max_tokens": 16})
+                statuses.append(r.status_code)
+
+    threads = [threading.Thread(target=load) for _ in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        wait_for(lambda: len(statuses) > 5)
+        result = Promoter(settings, registry).promote(target.version, "test")
+        before_end = len(statuses)
+        wait_for(lambda: len(statuses) > before_end + 5)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert result.state == "stable"
+    assert set(statuses) == {200}
+    assert all(r.policy_version == target.version for r in read_pool(settings).replicas)
+    swap = registry.get(target.version).metrics["swaps"][0]
+    assert swap["ok"] and swap["max_logprob_diff"] <= settings.learner.probe_tolerance
+
+
+def test_corrupted_version_fails_verification_and_is_reverted(settings, paused_learner):
+    registry = Registry(settings.policies_dir)
+    serving = read_pool(settings).replicas[0]
+    staged = settings.policies_dir / "staging-corrupt"
+    shutil.rmtree(staged, ignore_errors=True)
+    shutil.copytree(serving.model_dir, staged)
+    weights = staged / "model.safetensors"
+    tensors = load_file(weights)
+    name = next(k for k in tensors if "experts" in k)
+    tensors[name] = tensors[name] + torch.randn_like(tensors[name].float()).to(tensors[name].dtype)
+    weights.chmod(0o644)
+    save_file(tensors, weights, metadata={"format": "pt"})
+    corrupt = registry.publish(staged, parent=serving.policy_version, window=None, metrics={},
+                               sample_ids=[], actor="test")
+    result = Promoter(settings, registry).promote(corrupt.version, "test")
+    assert result.state == "rolled_back"
+    swap = registry.get(corrupt.version).metrics["swaps"][0]
+    assert not swap["ok"] and swap["reverted"] and "probe logprobs differ" in swap["error"]
+    assert read_pool(settings).replicas[0].policy_version == serving.policy_version
+    history = registry.history(corrupt.version)
+    assert [h["to"] for h in history] == ["candidate", "canary", "rolled_back"]
