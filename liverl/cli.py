@@ -247,7 +247,7 @@ def demo(minutes: float = typer.Option(10.0, help="How long the simulated produc
 
     settings = demo_settings()
     shutil.rmtree(settings.data_dir, ignore_errors=True)  # every demo starts from the starter policy
-    result = run_demo(settings, minutes, users, seed, max_tokens=32, out_dir=out, console=console)
+    result = run_demo(settings, minutes, users, seed, max_tokens=24, out_dir=out, console=console)
     console.print_json(json.dumps(result))
 
 

@@ -1,0 +1,130 @@
+"""The starter policy: a small Qwen3-MoE built here, deterministically, from local text.
+
+A byte-level BPE tokenizer is trained on the Python standard library's own sources
+(on every machine), the MoE is initialised from the seed and mid-trained briefly on
+the same sources, and the result is saved in Hugging Face format (bf16 weights, as a
+published version) so both vLLM and transformers load it. Built once, then cached:
+a marker holding the hash of the build arguments is written last.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import shutil
+import sysconfig
+from pathlib import Path
+
+import torch
+from rich.progress import Progress
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+EOS = "<|endoftext|>"
+MARKER = "liverl_starter.json"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def corpus_files(limit: int) -> list[Path]:
+    """A fixed, sorted slice of the standard library's Python sources."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.glob("*.py") if p.stat().st_size < 200_000)
+    return files[:limit]
+
+
+def train_tokenizer(files: list[Path], vocab_size: int) -> PreTrainedTokenizerFast:
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train([str(f) for f in files], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS, bos_token=EOS, pad_token=EOS)
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def token_stream(files: list[Path], tokenizer: PreTrainedTokenizerFast) -> torch.Tensor:
+    """All documents, each followed by EOS, so the model learns where code ends."""
+    ids: list[int] = []
+    for f in files:
+        ids.extend(tokenizer(f.read_text(errors="replace"))["input_ids"])
+        ids.append(tokenizer.eos_token_id)
+    return torch.tensor(ids)
+
+
+def build_starter_policy(
+    out_dir: Path,
+    *,
+    seed: int = 0,
+    vocab_size: int = 2048,
+    hidden_size: int = 128,
+    num_layers: int = 3,
+    num_experts: int = 8,
+    top_k: int = 2,
+    train_steps: int = 600,
+    corpus_limit: int = 300,
+    progress: bool = True,
+) -> Path:
+    """Build (or find cached) the starter policy in out_dir; returns out_dir."""
+    args = dict(seed=seed, vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers,
+                num_experts=num_experts, top_k=top_k, train_steps=train_steps, corpus_limit=corpus_limit)
+    key = hashlib.sha256(json.dumps(args, sort_keys=True).encode()).hexdigest()
+    marker = out_dir / MARKER
+    if marker.exists() and json.loads(marker.read_text()).get("key") == key:
+        return out_dir
+
+    staging = out_dir.with_name(out_dir.name + ".building")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    torch.manual_seed(seed)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # fixed, so reductions (and the weights) are the same everywhere
+    try:
+        files = corpus_files(corpus_limit)
+        tokenizer = train_tokenizer(files, vocab_size)
+        config = Qwen3MoeConfig(
+            vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+            moe_intermediate_size=hidden_size, num_hidden_layers=num_layers, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=32,  # vLLM's CPU attention needs head_dim >= 32
+            num_experts=num_experts, num_experts_per_tok=top_k, norm_topk_prob=True,
+            max_position_embeddings=1024, tie_word_embeddings=False,
+            bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.eos_token_id,
+        )
+        model = Qwen3MoeForCausalLM(config)
+        mid_train(model, token_stream(files, tokenizer), train_steps, seed, progress)
+        model.to(torch.bfloat16).save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        (staging / MARKER).write_text(json.dumps({"key": key, "args": args}))
+    finally:
+        torch.set_num_threads(threads)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    staging.rename(out_dir)
+    return out_dir
+
+
+def mid_train(model: Qwen3MoeForCausalLM, tokens: torch.Tensor, steps: int, seed: int,
+              progress: bool, seq_len: int = 128, batch: int = 16, lr: float = 3e-3) -> None:
+    """Next-token prediction on random windows of the corpus, cosine-decayed AdamW."""
+    generator = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * s / steps)))
+    model.train()
+    with Progress(disable=not progress) as bar:
+        task = bar.add_task("mid-training the starter policy", total=steps)
+        for _ in range(steps):
+            starts = torch.randint(0, len(tokens) - seq_len - 1, (batch,), generator=generator)
+            window = torch.stack([tokens[s : s + seq_len + 1] for s in starts.tolist()])
+            loss = model(input_ids=window, labels=window).loss
+            optimizer.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            schedule.step()
+            bar.update(task, advance=1, description=f"mid-training the starter policy (loss {loss.item():.2f})")
