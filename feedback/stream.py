@@ -15,6 +15,10 @@ Kafka, so it survives a restart) holds its state:
 - feedback after the window closed is counted late and still emits a revision;
 - duplicates (same event_id) are dropped; malformed or unjoinable events go to the
   dead-letter topic with the reason.
+
+A faust table may only change inside the agent that owns the key's partition, so the
+sweep timer only finds windows that are due and sends their keys to WINDOW_CLOSE
+(co-partitioned); the join closes them.
 """
 
 from __future__ import annotations
@@ -58,11 +62,14 @@ app = faust.App(
     consumer_auto_offset_reset="earliest",
 )
 raw = dict(key_serializer="raw", value_serializer="raw")
-incoming = app.topic(Topics.TRAJECTORIES, Topics.FEEDBACK, **raw)
+incoming = app.topic(Topics.TRAJECTORIES, Topics.FEEDBACK, Topics.WINDOW_CLOSE, **raw)
+window_close = app.topic(Topics.WINDOW_CLOSE, **raw)
 samples_topic = app.topic(Topics.SAMPLES, **raw)
 dead_letters = app.topic(Topics.DEAD_LETTER, **raw)
 # Keyed by completion_id (str), JSON state; partitioned like the incoming topics.
 completions = app.Table("completions", default=None)
+# Keys sent to WINDOW_CLOSE and not yet closed, so each sweep does not resend them.
+closing: set[str] = set()
 
 
 async def dead_letter(topic: str, reason: str, payload: bytes, tenant: str | None = None) -> None:
@@ -110,7 +117,10 @@ async def join(stream):
     async for event in stream.events():
         topic, raw = event.message.topic, event.value
         try:
-            await handle(topic, raw)
+            if topic == Topics.WINDOW_CLOSE:
+                await close_window(event.key.decode())
+            else:
+                await handle(topic, raw)
         except Exception as error:  # one poisoned event must not stop the join
             logger.exception("join failed")
             await dead_letter(topic, f"processing failed: {error!r}", raw)
@@ -158,31 +168,46 @@ async def handle(topic: str, raw: bytes) -> None:
     completions[key] = state
 
 
+def window_due(state: dict[str, Any] | None, now: float) -> bool:
+    """Whether the sweep has something to do for this completion."""
+    if state is None or state["closed"]:
+        # A closed entry stays one more window as a tombstone to catch late duplicates.
+        return state is not None and now - state["first_seen"] > 2 * window_s
+    if state["trajectory"] is None:
+        return now - state["first_seen"] > window_s
+    return now - Trajectory.model_validate(state["trajectory"]).timestamp.timestamp() > window_s
+
+
 @app.timer(interval=settings.feedback.sweep_interval_s)
 async def sweep() -> None:
-    """Close windows: default rewards, unjoinable feedback to the dead-letter topic."""
     now = time.time()
     for key, state in list(completions.items()):
-        if state is None or state["closed"]:
-            if state and now - state["first_seen"] > 2 * window_s:
-                del completions[key]  # tombstone kept one more window to catch late duplicates
-            continue
-        trajectory = state["trajectory"]
-        if trajectory is None:
-            if now - state["first_seen"] > window_s:
-                for f in state["feedback"]:
-                    await dead_letter(Topics.FEEDBACK, "unjoinable: no trajectory for this "
-                                      "completion_id within the reward window",
-                                      FeedbackEvent.model_validate(f).model_dump_json().encode(), f["tenant"])
-                del completions[key]
-            continue
-        served = Trajectory.model_validate(trajectory).timestamp.timestamp()
-        if now - served <= window_s:
-            continue
-        if state["revision"] < 0 and (result := rewarder.default(Trajectory.model_validate(trajectory))):
-            await emit(state, result, "default")
-        state["closed"] = True
-        completions[key] = state
+        if key not in closing and window_due(state, now):
+            closing.add(key)
+            await window_close.send(key=key.encode(), value=b"")
+
+
+async def close_window(key: str) -> None:
+    """Default rewards for silent completions; unjoinable feedback to the dead-letter topic."""
+    closing.discard(key)
+    state = completions.get(key)
+    if not window_due(state, time.time()):
+        return  # already closed by an earlier request
+    if state["closed"]:
+        del completions[key]
+        return
+    trajectory = state["trajectory"]
+    if trajectory is None:
+        for f in state["feedback"]:
+            await dead_letter(Topics.FEEDBACK, "unjoinable: no trajectory for this "
+                              "completion_id within the reward window",
+                              FeedbackEvent.model_validate(f).model_dump_json().encode(), f["tenant"])
+        del completions[key]
+        return
+    if state["revision"] < 0 and (result := rewarder.default(Trajectory.model_validate(trajectory))):
+        await emit(state, result, "default")
+    state["closed"] = True
+    completions[key] = state
 
 
 if __name__ == "__main__":

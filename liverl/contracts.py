@@ -25,8 +25,12 @@ class Topics:
     DEAD_LETTER = "liverl.dead-letter"
     REQUESTS = "liverl.requests"  # failed/served request records for error-rate analytics
     POLICY_VERSIONS = "liverl.policy-versions"  # registry state changes, for analysts
+    # The join's own queue of reward windows to close: a faust table may only be
+    # changed by the agent that consumes its partition, not by a timer.
+    WINDOW_CLOSE = "liverl.feedback.window-close"
 
     ALL = (TRAJECTORIES, FEEDBACK, SAMPLES, DEAD_LETTER, REQUESTS, POLICY_VERSIONS)
+    INTERNAL = (WINDOW_CLOSE,)
 
 
 def utcnow() -> datetime:

@@ -44,7 +44,7 @@ async def ensure_topics(settings: Settings) -> None:
         existing = set(await admin.list_topics())
         wanted = [
             NewTopic(name, num_partitions=broker.partitions, replication_factor=replication)
-            for name in Topics.ALL
+            for name in Topics.ALL + Topics.INTERNAL
             if name not in existing
         ]
         if wanted:

@@ -31,9 +31,10 @@ from liverl.settings import EmbeddedBroker, Settings
 from policies.registry import Registry
 from serving.replicas import Pool, ReplicaError, launch_replica, read_pool, wait_replica, write_pool
 
+# consumer group -> (the component that consumes for it, the topics it must finish)
 DRAINED_GROUPS = {
-    "liverl-feedback": (Topics.TRAJECTORIES, Topics.FEEDBACK),
-    "liverl-sink": Topics.ALL,
+    "liverl-feedback": ("feedback", (Topics.TRAJECTORIES, Topics.FEEDBACK)),
+    "liverl-sink": ("sink", Topics.ALL),
 }
 
 
@@ -239,12 +240,18 @@ def drain(settings: Settings, timeout: float, say: Callable[[str], None]) -> Non
     """Wait until every acknowledged event is joined, stored and consumed."""
     groups = dict(DRAINED_GROUPS)
     if settings.learner.enabled:
-        groups["liverl-learner"] = (Topics.SAMPLES,)
+        groups["liverl-learner"] = ("learner", (Topics.SAMPLES,))
+    manifest = read_manifest(settings)
+    pids = {c.name: c.pid for c in manifest.components} if manifest else {}
     deadline = time.time() + timeout
     while True:
-        lags = {g: asyncio.run(group_lag(settings, g, topics)) for g, topics in groups.items()}
+        lags = {g: asyncio.run(group_lag(settings, g, topics)) for g, (_, topics) in groups.items()}
         if not any(lags.values()):
             return
+        for group, (component, _) in groups.items():
+            if lags[group] and component in pids and not alive(pids[component]):
+                raise StackError(f"{component} died with {lags[group]} events unprocessed; "
+                                 f"see {settings.run_dir / (component + '.log')} and `liverl up` again")
         if settings.learner.enabled and not lags["liverl-feedback"]:
             # Every sample is out: the learner learns from what it still holds.
             httpx.post(settings.url(settings.ports.learner) + "/flush", timeout=10)

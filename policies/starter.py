@@ -1,10 +1,12 @@
 """The starter policy: a small Qwen3-MoE built here, deterministically, from local text.
 
 A byte-level BPE tokenizer is trained on the Python standard library's own sources
-(on every machine), the MoE is initialised from the seed and mid-trained briefly on
-the same sources, and the result is saved in Hugging Face format (bf16 weights, as a
-published version) so both vLLM and transformers load it. Built once, then cached:
-a marker holding the hash of the build arguments is written last.
+(present on every machine, so nothing is downloaded), the MoE is initialised from the
+seed and mid-trained briefly on the same sources, and the result is saved in Hugging
+Face format with bf16 weights (a published version is the bf16 rounding of the fp32
+master weights) so both vLLM and transformers load it. Built once, then cached: the
+build happens in a temporary directory whose last file is a marker holding the hash of
+the build arguments, and the directory is renamed into place.
 """
 
 from __future__ import annotations
@@ -14,15 +16,19 @@ import json
 import math
 import shutil
 import sysconfig
+import tempfile
 from pathlib import Path
 
+import tokenizers
 import torch
+import transformers
 from rich.progress import Progress
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 EOS = "<|endoftext|>"
 MARKER = "liverl_starter.json"
+# Plain-text roles: the model never saw chat data, but vLLM's /v1/chat/completions needs a template.
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
@@ -30,13 +36,14 @@ CHAT_TEMPLATE = (
 
 
 def corpus_files(limit: int) -> list[Path]:
-    """A fixed, sorted slice of the standard library's Python sources."""
+    """A fixed, sorted slice of the standard library's top-level Python sources."""
     root = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(p for p in root.glob("*.py") if p.stat().st_size < 200_000)
     return files[:limit]
 
 
 def train_tokenizer(files: list[Path], vocab_size: int) -> PreTrainedTokenizerFast:
+    """Byte-level BPE (any text encodes, nothing is unknown); EOS doubles as BOS and pad."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -49,12 +56,20 @@ def train_tokenizer(files: list[Path], vocab_size: int) -> PreTrainedTokenizerFa
 
 
 def token_stream(files: list[Path], tokenizer: PreTrainedTokenizerFast) -> torch.Tensor:
-    """All documents, each followed by EOS, so the model learns where code ends."""
+    """All documents, each followed by EOS, so the model learns to end its text."""
     ids: list[int] = []
     for f in files:
         ids.extend(tokenizer(f.read_text(errors="replace"))["input_ids"])
         ids.append(tokenizer.eos_token_id)
     return torch.tensor(ids)
+
+
+def build_key(args: dict[str, int]) -> str:
+    """Hash of the arguments, this recipe's source and the libraries that decide the bits."""
+    identity = dict(args, recipe=hashlib.sha256(Path(__file__).read_bytes()).hexdigest(),
+                    torch=torch.__version__, transformers=transformers.__version__,
+                    tokenizers=tokenizers.__version__)
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
 
 
 def build_starter_policy(
@@ -73,18 +88,19 @@ def build_starter_policy(
     """Build (or find cached) the starter policy in out_dir; returns out_dir."""
     args = dict(seed=seed, vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers,
                 num_experts=num_experts, top_k=top_k, train_steps=train_steps, corpus_limit=corpus_limit)
-    key = hashlib.sha256(json.dumps(args, sort_keys=True).encode()).hexdigest()
+    key = build_key(args)
     marker = out_dir / MARKER
     if marker.exists() and json.loads(marker.read_text()).get("key") == key:
         return out_dir
 
-    staging = out_dir.with_name(out_dir.name + ".building")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    torch.manual_seed(seed)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    # Same filesystem as out_dir, so the final rename is atomic; a unique name, so
+    # concurrent builders never write into each other's files.
+    staging = Path(tempfile.mkdtemp(prefix=out_dir.name + ".building-", dir=out_dir.parent))
     threads = torch.get_num_threads()
-    torch.set_num_threads(2)  # fixed, so reductions (and the weights) are the same everywhere
+    torch.set_num_threads(2)  # fixed, so float reductions (and so the weights) do not depend on the machine's cores
     try:
+        torch.manual_seed(seed)
         files = corpus_files(corpus_limit)
         tokenizer = train_tokenizer(files, vocab_size)
         config = Qwen3MoeConfig(
@@ -101,6 +117,9 @@ def build_starter_policy(
         model.to(torch.bfloat16).save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         (staging / MARKER).write_text(json.dumps({"key": key, "args": args}))
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     finally:
         torch.set_num_threads(threads)
     shutil.rmtree(out_dir, ignore_errors=True)
@@ -110,7 +129,7 @@ def build_starter_policy(
 
 def mid_train(model: Qwen3MoeForCausalLM, tokens: torch.Tensor, steps: int, seed: int,
               progress: bool, seq_len: int = 128, batch: int = 16, lr: float = 3e-3) -> None:
-    """Next-token prediction on random windows of the corpus, cosine-decayed AdamW."""
+    """Next-token prediction on seeded random windows of the corpus; warmup, then cosine decay."""
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     schedule = torch.optim.lr_scheduler.LambdaLR(

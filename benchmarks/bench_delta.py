@@ -1,0 +1,311 @@
+"""Lossless policy deltas: liverl's codec against the field's schemes, on the same tensors.
+
+    .venv/bin/python benchmarks/bench_delta.py synthetic [--layers 10] [--lr 1e-6 --lr 1e-5]
+    .venv/bin/python benchmarks/bench_delta.py dirs OLD_DIR NEW_DIR
+
+`synthetic` builds a Qwen3-MoE-shaped model (10 layers of 16 experts: 1.25B parameters)
+with fp32 master weights, takes one Adam step at each learning rate from the same
+weights and gradients, and compares the published bf16 roundings. `dirs` compares two
+Hugging Face checkpoint directories, e.g. consecutive versions written by the learner.
+
+For each pair it prints the order-0 entropy of the change (the integer difference of the
+bit patterns) and, per scheme, the delta's size, its ratio to the checkpoint, that ratio
+as a share of the entropy bound, and encode and decode throughput in MB of weights per
+second, all on one core (torch, zstd and zipnn are held to one thread; liverl is also
+run on every core). Every decoded tensor is compared bit for bit with the target.
+
+Schemes: the full checkpoint; XOR + zstd-1 as slime's disk-delta sync does it (XOR of
+each tensor's bytes with the previous version, unchanged tensors skipped, zstd level 1,
+a blake3 checksum of each new tensor checked after decoding); zipnn's delta (XOR, then
+byte grouping and Huffman), if the `zipnn` package is installed; liverl's codec.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Optional
+
+import blake3
+import numpy as np
+import torch
+import typer
+import zstandard
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from sync import Checkpoint, encode_delta, iter_apply
+from sync.checkpoint import bits
+from sync.codec import keep_freed_memory
+
+app = typer.Typer(help=__doc__.split("\n\n")[0], no_args_is_help=True)
+console = Console(width=140)  # wide enough for the table in a log file
+Tensors = Mapping[str, torch.Tensor]
+Threads = typer.Option(None, help="Threads of liverl's all-cores run (default: one per core).")
+Repeats = typer.Option(2, help="Passes per scheme; the best time counts.")
+
+
+@dataclass
+class Row:
+    scheme: str
+    delta_bytes: int
+    encode_s: float | None = None
+    decode_s: float | None = None
+    exact: bool | None = None
+
+
+# --- the change and its entropy --------------------------------------------------------------
+def comparable(old: Tensors, name: str, new: torch.Tensor) -> torch.Tensor | None:
+    base = old.get(name)
+    return base if base is not None and base.dtype == new.dtype and base.shape == new.shape else None
+
+
+def change_stats(old: Tensors, new: Tensors, progress: Progress) -> tuple[int, int, float]:
+    """(values, changed values, order-0 entropy in bits of the whole change), the entropy
+    summed over dtypes, each with its own histogram of bit-pattern differences."""
+    histograms: dict[str, Counter] = {}
+    values = changed = 0
+    task = progress.add_task("entropy of the change", total=len(new))
+    for name, tensor in new.items():
+        base = comparable(old, name, tensor)
+        difference = bits(tensor) - (bits(base) if base is not None else 0)
+        values, changed = values + difference.size, changed + int(np.count_nonzero(difference))
+        unsigned = difference.view(difference.dtype.str.replace("i", "u"))
+        if unsigned.itemsize <= 2:  # dense histogram, far faster than np.unique
+            counts = np.bincount(unsigned, minlength=1 << (8 * unsigned.itemsize))
+            keys = np.flatnonzero(counts)
+            histograms.setdefault(str(tensor.dtype), Counter()).update(dict(zip(keys.tolist(), counts[keys].tolist())))
+        else:
+            keys, counts = np.unique(unsigned, return_counts=True)
+            histograms.setdefault(str(tensor.dtype), Counter()).update(dict(zip(keys.tolist(), counts.tolist())))
+        progress.advance(task)
+    entropy_bits = 0.0
+    for histogram in histograms.values():
+        counts = np.array(list(histogram.values()), np.float64)
+        entropy_bits -= float((counts * np.log2(counts / counts.sum())).sum())
+    return values, changed, entropy_bits
+
+
+# --- the schemes -----------------------------------------------------------------------------------
+# A scheme is a pair of closures over (old, new): encode() keeps its delta and returns its
+# size in bytes; decode() yields (name, bit pattern array) for every target tensor.
+Scheme = tuple[str, Callable[[], int], Callable[[], Iterator[tuple[str, np.ndarray]]]]
+
+
+def xor_zstd(old: Tensors, new: Tensors, tick: Callable[[], None]) -> Scheme:
+    compressor, decompressor = zstandard.ZstdCompressor(level=1), zstandard.ZstdDecompressor()
+    payload: dict[str, tuple[bytes, str]] = {}
+
+    def encode() -> int:
+        payload.clear()
+        for name, tensor in new.items():
+            base = comparable(old, name, tensor)
+            raw = bits(tensor).view(np.uint8)
+            xor = raw ^ bits(base).view(np.uint8) if base is not None else raw
+            if base is None or np.count_nonzero(xor):
+                payload[name] = compressor.compress(xor), blake3.blake3(raw).hexdigest()
+            tick()
+        return sum(len(blob) for blob, _ in payload.values())
+
+    def decode() -> Iterator[tuple[str, np.ndarray]]:
+        for name, tensor in new.items():
+            base = comparable(old, name, tensor)
+            if name in payload:
+                blob, checksum = payload[name]
+                result = np.frombuffer(decompressor.decompress(blob), np.uint8)
+                result = result ^ bits(base).view(np.uint8) if base is not None else result
+                assert blake3.blake3(result).hexdigest() == checksum, f"{name}: checksum mismatch"
+            else:
+                result = bits(base)
+            tick()
+            yield name, result
+
+    return "XOR + zstd-1 (slime, SkyRL, NeMo-RL)", encode, decode
+
+
+def zipnn_delta(old: Tensors, new: Tensors, tick: Callable[[], None]) -> Scheme | None:
+    try:
+        import zipnn
+    except ImportError:
+        console.print("[yellow]zipnn is not installed: its row is left out[/yellow]")
+        return None
+    kinds = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+    delta = {d: zipnn.ZipNN(input_format="byte", bytearray_dtype=k, threads=1, delta_compressed_type="byte")
+             for d, k in kinds.items()}
+    plain = {d: zipnn.ZipNN(input_format="byte", bytearray_dtype=k, threads=1) for d, k in kinds.items()}
+    payload: dict[str, bytes] = {}
+    raw = lambda tensor: memoryview(bits(tensor).view(np.uint8))  # noqa: E731
+
+    def encode() -> int:
+        payload.clear()
+        for name, tensor in new.items():
+            base = comparable(old, name, tensor)
+            if base is None:
+                payload[name] = plain[tensor.dtype].compress(raw(tensor))
+            elif not np.array_equal(bits(base), bits(tensor)):
+                payload[name] = delta[tensor.dtype].compress(raw(tensor), delta_second_data=raw(base))
+            tick()
+        return sum(map(len, payload.values()))
+
+    def decode() -> Iterator[tuple[str, np.ndarray]]:
+        for name, tensor in new.items():
+            base = comparable(old, name, tensor)
+            if name not in payload:
+                result = bits(base)
+            elif base is None:
+                result = np.frombuffer(plain[tensor.dtype].decompress(payload[name]), np.uint8)
+            else:
+                result = np.frombuffer(delta[tensor.dtype].decompress(payload[name], delta_second_data=raw(base)),
+                                       np.uint8)
+            tick()
+            yield name, result
+
+    return "zipnn delta (XOR, byte grouping, Huffman)", encode, decode
+
+
+def liverl(old: Tensors, new: Tensors, tick: Callable[[], None], threads: int, path: Path) -> Scheme:
+    def encode() -> int:
+        with open(path, "wb") as f:  # a stream: into the page cache, no fsync, like the others' memory
+            encode_delta(old, new, f, base_version="a", target_version="b", threads=threads,
+                         progress=lambda _: tick())
+        return path.stat().st_size
+
+    def decode() -> Iterator[tuple[str, np.ndarray]]:
+        for entry, tensor in iter_apply(old, path, expected_base="a", threads=threads):
+            tick()
+            yield entry.name, bits(tensor)
+
+    return f"liverl codec, {threads} thread{'s' if threads > 1 else ''}", encode, decode
+
+
+def measure(scheme: Scheme, new: Tensors, repeats: int) -> Row:
+    """Best of `repeats` encode and decode times (the first pass also pays for memory the
+    process never touched before, which in a VM costs more than the decoding itself);
+    every pass's output is compared bit for bit with the target once the clock stopped."""
+    name, encode, decode = scheme
+    row = Row(name, 0, math.inf, math.inf, True)
+    for _ in range(repeats):
+        started = time.perf_counter()
+        row.delta_bytes = encode()
+        row.encode_s = min(row.encode_s, time.perf_counter() - started)
+        started = time.perf_counter()
+        decoded = list(decode())
+        row.decode_s = min(row.decode_s, time.perf_counter() - started)
+        row.exact &= [n for n, _ in decoded] == list(new) and all(
+            np.array_equal(result.view(np.uint8), bits(new[n]).view(np.uint8)) for n, result in decoded)
+        del decoded
+    return row
+
+
+# --- the comparison ----------------------------------------------------------------------------
+def compare(title: str, old: Tensors, new: Tensors, all_threads: int, repeats: int) -> None:
+    torch.set_num_threads(1)
+    keep_freed_memory()  # liverl's malloc setting, for every scheme alike
+    nbytes = sum(t.nbytes for t in new.values())
+    with _progress() as progress, tempfile.TemporaryDirectory() as tmp:
+        values, changed, entropy_bits = change_stats(old, new, progress)
+        bound = nbytes * 8 / max(entropy_bits, 1e-9)
+        rows = [Row("full checkpoint", nbytes)]
+        for make in [xor_zstd, zipnn_delta] + [
+                partial(liverl, threads=t, path=Path(tmp) / "delta") for t in sorted({1, all_threads})]:
+            task = progress.add_task("", total=2 * repeats * len(new))
+            scheme = make(old, new, lambda: progress.advance(task))
+            if scheme:
+                progress.update(task, description=scheme[0])
+                rows.append(measure(scheme, new, repeats))
+    console.print(f"\n[bold]{title}[/bold]: {values:,} values in {len(new)} tensors, {nbytes / 1e6:,.0f} MB; "
+                  f"{changed / values:.2%} changed; order-0 entropy of the change "
+                  f"{entropy_bits / values:.3f} bits/value, bound {bound:.1f}x")
+    table = Table()
+    for column in ["scheme", "delta MB", "ratio", "% of bound", "encode MB/s", "decode MB/s", "bit-exact"]:
+        table.add_column(column, justify="left" if column == "scheme" else "right")
+    for row in rows:
+        ratio = nbytes / row.delta_bytes
+        speed = lambda s: "" if s is None else f"{nbytes / 1e6 / s:,.0f}"  # noqa: E731
+        table.add_row(row.scheme, f"{row.delta_bytes / 1e6:,.1f}", f"{ratio:.2f}x", f"{ratio / bound:.1%}",
+                      speed(row.encode_s), speed(row.decode_s),
+                      "" if row.exact is None else "yes" if row.exact else "[red]NO[/red]")
+    console.print(table)
+
+
+# --- the synthetic model ------------------------------------------------------------------------------
+def qwen3_moe_shapes(layers: int, hidden: int = 2048, experts: int = 16, expert_ffn: int = 1024,
+                     heads: int = 16, kv_heads: int = 4, head_dim: int = 128, vocab: int = 32768):
+    """(name, shape, init std) of a Qwen3-MoE-style model; norms are ones."""
+    yield "model.embed_tokens.weight", (vocab, hidden), 0.02
+    for i in range(layers):
+        p = f"model.layers.{i}"
+        yield f"{p}.input_layernorm.weight", (hidden,), None
+        for name, rows in [("q_proj", heads * head_dim), ("k_proj", kv_heads * head_dim),
+                           ("v_proj", kv_heads * head_dim)]:
+            yield f"{p}.self_attn.{name}.weight", (rows, hidden), 0.02
+        yield f"{p}.self_attn.o_proj.weight", (hidden, heads * head_dim), 0.02
+        yield f"{p}.self_attn.q_norm.weight", (head_dim,), None
+        yield f"{p}.self_attn.k_norm.weight", (head_dim,), None
+        yield f"{p}.post_attention_layernorm.weight", (hidden,), None
+        yield f"{p}.mlp.gate.weight", (experts, hidden), 0.02
+        for e in range(experts):
+            yield f"{p}.mlp.experts.{e}.gate_proj.weight", (expert_ffn, hidden), 0.02
+            yield f"{p}.mlp.experts.{e}.up_proj.weight", (expert_ffn, hidden), 0.02
+            yield f"{p}.mlp.experts.{e}.down_proj.weight", (hidden, expert_ffn), 0.02
+    yield "model.norm.weight", (hidden,), None
+    yield "lm_head.weight", (vocab, hidden), 0.02
+
+
+def adam_steps(layers: int, lrs: list[float], seed: int) -> tuple[Tensors, dict[float, Tensors]]:
+    """The bf16 rounding of fp32 master weights before and after one Adam step per lr
+    (same weights, same gradient); one tensor at a time, so only bf16 copies stay."""
+    shapes = list(qwen3_moe_shapes(layers))
+    base, stepped = {}, {lr: {} for lr in lrs}
+    with _progress() as progress:
+        task = progress.add_task("synthetic model: Adam steps", total=sum(math.prod(s) for _, s, _ in shapes))
+        for i, (name, shape, std) in enumerate(shapes):
+            generator = torch.Generator().manual_seed(seed * 100_003 + i)
+            master = torch.randn(shape, generator=generator) * std if std else torch.ones(shape)
+            gradient = torch.randn(shape, generator=generator)
+            base[name] = master.bfloat16()
+            for lr in lrs:
+                weight = torch.nn.Parameter(master.clone())
+                weight.grad = gradient
+                torch.optim.Adam([weight], lr=lr).step()
+                stepped[lr][name] = weight.detach().bfloat16()
+            progress.advance(task, math.prod(shape))
+    return base, stepped
+
+
+@app.command()
+def synthetic(layers: int = typer.Option(10, help="MoE layers (10: 1.25B parameters)."),
+              lr: list[float] = typer.Option([1e-6, 1e-5], help="Adam learning rates (repeatable)."),
+              seed: int = 0, threads: Optional[int] = Threads, repeats: int = Repeats) -> None:
+    """A synthetic MoE stepped by Adam, published in bf16."""
+    torch.set_num_threads(os.cpu_count() or 1)  # generation only; measurements use one
+    base, stepped = adam_steps(layers, lr, seed)
+    params = sum(t.numel() for t in base.values())
+    for rate in lr:
+        compare(f"synthetic Qwen3-MoE, {params / 1e9:.2f}B parameters, one Adam step at lr {rate:g}",
+                base, stepped[rate], threads or os.cpu_count() or 1, repeats)
+
+
+@app.command()
+def dirs(old_dir: Path = typer.Argument(..., exists=True), new_dir: Path = typer.Argument(..., exists=True),
+         threads: Optional[int] = Threads, repeats: int = Repeats) -> None:
+    """Two checkpoint directories, e.g. consecutive policy versions."""
+    compare(f"{old_dir} -> {new_dir}", Checkpoint(old_dir), Checkpoint(new_dir), threads or os.cpu_count() or 1,
+            repeats)
+
+
+def _progress() -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=console, transient=True)
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,114 @@
+"""Ingest throughput and event-to-ClickHouse latency, with the whole embedded stack up.
+
+    .venv/bin/python benchmarks/bench_ingest.py [--seconds 30] [--concurrency 8]
+
+Sends batches of 100 feedback events (~300 bytes each) to POST /v1/ingestion from
+several concurrent clients for a fixed time; reports accepted events/s and per-batch
+latency percentiles. Then marks single events and times how long each takes to be
+visible in ClickHouse (through the sink, as `liverl sql` sees it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+import uuid
+
+import httpx
+import typer
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from liverl.settings import Settings
+from liverl.stack import read_manifest, up
+
+console = Console()
+
+
+def feedback_batch(size: int) -> dict:
+    batch = []
+    for _ in range(size):
+        cid = f"cmpl-bench-{uuid.uuid4().hex}"
+        batch.append({"id": f"evt-{uuid.uuid4().hex}", "type": "feedback",
+                      "timestamp": "2026-11-22T12:00:00Z",
+                      "body": {"kind": "edit", "completion_id": cid,
+                               "corrected_text": "def add(a, b):\n    return a + b\n" * 3}})
+    return {"batch": batch}
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(int(q * len(ordered)), len(ordered) - 1)]
+
+
+async def throughput(url: str, key: str, seconds: float, concurrency: int, batch_size: int) -> dict:
+    latencies: list[float] = []
+    accepted = 0
+    payloads = [json.dumps(feedback_batch(batch_size)).encode() for _ in range(50)]
+    deadline = time.perf_counter() + seconds
+
+    async def client(i: int) -> None:
+        nonlocal accepted
+        async with httpx.AsyncClient(base_url=url, timeout=30, headers={
+                "Authorization": f"Bearer {key}", "content-type": "application/json"}) as http:
+            n = i
+            while time.perf_counter() < deadline:
+                # Fresh ids per send: a repeated id would be a cheap duplicate, not a new event.
+                body = payloads[n % len(payloads)].replace(b"evt-", f"e{n:07d}-".encode(), batch_size)
+                n += concurrency
+                t = time.perf_counter()
+                response = await http.post("/v1/ingestion", content=body)
+                latencies.append(time.perf_counter() - t)
+                accepted += response.json()["accepted"]
+
+    started = time.perf_counter()
+    await asyncio.gather(*(client(i) for i in range(concurrency)))
+    elapsed = time.perf_counter() - started
+    return {"events_per_s": accepted / elapsed, "batches": len(latencies),
+            "p50_ms": 1000 * statistics.median(latencies), "p99_ms": 1000 * percentile(latencies, 0.99)}
+
+
+def visibility(settings: Settings, key: str, samples: int) -> dict:
+    api = settings.url(settings.ports.api) + "/v1/ingestion"
+    sink = settings.url(settings.ports.sink) + "/sql"
+    delays = []
+    with Progress(console=console) as bar:
+        task = bar.add_task("event -> ClickHouse", total=samples)
+        for _ in range(samples):
+            batch = feedback_batch(1)
+            event_id = batch["batch"][0]["id"]
+            t = time.perf_counter()
+            httpx.post(api, json=batch, headers={"Authorization": f"Bearer {key}"}, timeout=30)
+            while True:
+                rows = httpx.post(sink, json={"sql": f"SELECT count() AS n FROM feedback_events "
+                                                     f"WHERE event_id = '{event_id}'", "format": "json"},
+                                  timeout=30).json()["data"]
+                if rows[0]["n"]:
+                    break
+                time.sleep(0.02)
+            delays.append(time.perf_counter() - t)
+            bar.advance(task)
+    return {"p50_s": statistics.median(delays), "p95_s": percentile(delays, 0.95), "max_s": max(delays)}
+
+
+def main(seconds: float = 30.0, concurrency: int = 8, batch_size: int = 100, visibility_samples: int = 40) -> None:
+    settings = Settings()
+    if read_manifest(settings) is None:
+        up(settings, say=console.print)
+    key = json.loads((settings.data_dir / "dev-keys.json").read_text())["tenant_key"]
+    console.print(f"sending batches of {batch_size} for {seconds:.0f} s from {concurrency} clients")
+    result = asyncio.run(throughput(settings.url(settings.ports.api), key, seconds, concurrency, batch_size))
+    result.update({f"visible_{k}": v for k, v in visibility(settings, key, visibility_samples).items()})
+    table = Table(title="ingest benchmark")
+    for k in result:
+        table.add_column(k)
+    table.add_row(*(f"{v:,.1f}" if isinstance(v, float) else str(v) for v in result.values()))
+    console.print(table)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    typer.run(main)
