@@ -83,18 +83,21 @@ def policy_gradient_loss(
     is_threshold: float = 2.0,
     reference_logp: torch.Tensor | None = None,
     kl_coef: float = 0.0,
+    normalizer: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Off-policy corrected policy gradient, token-level (shapes: [batch, tokens]).
 
     loss = - sum_t w_t * A * log pi(t) / #tokens   (+ kl_coef * KL(pi || ref))
     whose gradient is the importance-weighted REINFORCE estimator of grad E_pi[R].
+    `normalizer` replaces #tokens when the batch is split over data-parallel ranks
+    (every rank divides by the same count, so their averaged gradients equal one rank's).
     """
     weights = importance_weights(logp, behaviour_logp, is_mode, is_threshold)
     per_token = -weights * advantages[:, None] * logp
     if reference_logp is not None and kl_coef > 0:
         per_token = per_token + kl_coef * kl_to_reference(logp, reference_logp)
     tokens = mask.sum().clamp(min=1)
-    loss = (per_token * mask).sum() / tokens
+    loss = (per_token * mask).sum() / (tokens if normalizer is None else normalizer)
     with torch.no_grad():
         ratio = torch.exp(logp - behaviour_logp)
         stats = {

@@ -12,6 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from learner import router_replay
@@ -86,6 +89,13 @@ def valid(sample: RewardedSample) -> str | None:
     return None
 
 
+def data_parallel() -> tuple[int, int]:
+    """(rank, world size) under torchrun, else (0, 1)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
 class Trainer:
     def __init__(self, model_dir: Path, config: LearnerConfig, state: Path | None = None):
         torch.set_num_threads(config.threads)
@@ -93,6 +103,16 @@ class Trainer:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         router_replay.install(self.model)
+        self.rank, self.world = data_parallel()
+        if self.world > 1:
+            if state is not None or config.kl_coef > 0:
+                raise ValueError("under torchrun the learner starts from a published version "
+                                 "(no saved optimizer state) and without a KL reference")
+            # FSDP2: each decoder layer's weights, grads and Adam state are split over
+            # the ranks and gathered only for that layer's forward and backward.
+            for layer in self.model.model.layers:
+                fully_shard(layer)
+            fully_shard(self.model)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=config.lr)
         self.baseline = RunningBaseline()
         if state is not None:
@@ -122,14 +142,19 @@ class Trainer:
         abs_diff: list[torch.Tensor] = []
         mismatched, replayed_mismatched, routed = 0.0, 0.0, 0
         rng = random.Random(seed)
+        parent = self.snapshot() if self.config.kl_coef > 0 else None  # the KL reference
         for epoch in range(self.config.epochs):
             rng.shuffle(order)
             for start in range(0, len(order), self.config.minibatch):
-                idx = order[start : start + self.config.minibatch]
+                idx, share, normalizer = self.shard(order[start : start + self.config.minibatch], samples)
                 batch = collate([samples[i] for i in idx], self.tokenizer.pad_token_id, self.layers, self.top_k)
                 routing = batch.routing if self.config.router_replay else None
                 with router_replay.replay(self.model, routing):
-                    logp = token_logprobs(self.model, batch)
+                    reference = None
+                    if parent is not None:
+                        with torch.no_grad():
+                            reference = token_logprobs(self.model, batch, parent)
+                    logp = token_logprobs(self.model, batch)  # last: the routing stats read this pass
                 if epoch == 0:  # train/inference mismatch, before this batch moves the weights
                     abs_diff.append(((logp.detach() - batch.behaviour_logp).abs())[batch.completion_mask.bool()])
                     if batch.routing is not None:
@@ -140,8 +165,9 @@ class Trainer:
                             router_replay.used_routing(self.model), batch.routing, batch.attention) * n
                         routed += n
                 loss, step = policy_gradient_loss(
-                    logp, batch.behaviour_logp, advantages[idx], batch.completion_mask,
+                    logp, batch.behaviour_logp, advantages[idx] * share, batch.completion_mask,
                     is_mode=self.config.is_mode, is_threshold=self.config.is_threshold,
+                    reference_logp=reference, kl_coef=self.config.kl_coef, normalizer=normalizer,
                 )
                 self.optimizer.zero_grad()
                 loss.backward()
@@ -165,6 +191,20 @@ class Trainer:
             "router_replay": bool(routed) and self.config.router_replay,
         }
 
+    def shard(self, idx: list[int], samples: list[RewardedSample]) -> tuple[list[int], float, torch.Tensor | None]:
+        """This rank's part of a minibatch, whether it counts (1.0) or only keeps the
+        collectives in step (0.0), and the token count every rank divides its loss by."""
+        if self.world == 1:
+            return idx, 1.0, None
+        mine = idx[self.rank :: self.world]
+        share = 1.0 if mine else 0.0
+        mine = mine or idx[:1]
+        tokens = torch.tensor(float(sum(len(samples[i].trajectory.completion_token_ids) for i in mine)) * share)
+        dist.all_reduce(tokens)
+        # FSDP averages gradients over ranks; dividing by tokens/world makes that average
+        # the gradient of the whole minibatch's token mean, as on one rank.
+        return mine, share, tokens.clamp(min=1) / self.world
+
     def mean_log_ratios(self, samples: list[RewardedSample],
                         weights: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """Per sequence, mean over completion tokens of log pi - log mu, under `weights`
@@ -183,14 +223,22 @@ class Trainer:
     def snapshot(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
-    def bf16_state(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().to(torch.bfloat16).contiguous() for k, v in self.model.state_dict().items()}
+    def master_state(self) -> dict[str, torch.Tensor]:
+        """The full fp32 weights (gathered to rank 0 under FSDP; other ranks get {})."""
+        if self.world == 1:
+            return self.model.state_dict()
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
-    def export(self, out_dir: Path) -> None:
-        """Write the bf16 rounding of the master weights as an HF model, plus its probe."""
+    def export(self, out_dir: Path, master: dict[str, torch.Tensor] | None = None) -> None:
+        """Write the bf16 rounding of the master weights as an HF model, plus its probe.
+
+        Under FSDP, pass the `master_state()` every rank gathered; only rank 0 exports.
+        """
+        master = self.master_state() if master is None else master
         out_dir.mkdir(parents=True, exist_ok=True)
         self.model.config.dtype = torch.bfloat16
-        self.model.save_pretrained(out_dir, state_dict=self.bf16_state())
+        self.model.save_pretrained(out_dir, state_dict={k: v.detach().to(torch.bfloat16).contiguous()
+                                                        for k, v in master.items()})
         self.tokenizer.save_pretrained(out_dir)
         (out_dir / PROBE_FILE).write_text(json.dumps(probe_logprobs(out_dir, self.tokenizer)))
 
