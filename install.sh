@@ -13,7 +13,7 @@ stamp() { sha256sum pyproject.toml install.sh | sha256sum | cut -c1-16; }
 if [ ! -f .venv/.installed ] || [ "$(cat .venv/.installed)" != "$(stamp)" ]; then
   echo "installing the core environment (.venv)"
   [ -x .venv/bin/python ] || "$PY" -m venv .venv
-  .venv/bin/pip install -q --disable-pip-version-check -e '.[test]' 2> >(grep -v "^WARNING: Location" >&2)
+  .venv/bin/pip install -q --disable-pip-version-check -e '.[test,bench]' 2> >(grep -v "^WARNING: Location" >&2)
   stamp > .venv/.installed
 fi
 

@@ -36,6 +36,7 @@ from liverl.settings import Settings, get_settings
 from policies.offline_eval import offline_check, snis
 from policies.promotion import Promoter
 from policies.registry import PolicyVersion, Registry, SampleWindow
+from sync.transport import ship
 
 GROUP = "liverl-learner"
 DROPPED = Counter("liverl_learner_dropped_total", "Samples not trained on, by reason", ["reason"])
@@ -174,6 +175,8 @@ class Learner:
         self.dropped = dict.fromkeys(self.dropped, 0)
         self.window_started = time.time()
         VERSION.set(version.seq)
+        if self.settings.sync.transport == "delta":  # in the store before a swap looks for it
+            ship(self.settings, self.registry)
         self.promoter.offer(version)
         return version
 

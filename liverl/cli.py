@@ -12,17 +12,23 @@ from rich.console import Console
 from rich.table import Table
 
 from liverl.settings import Settings
+from sync.cli import app as delta_app
+from sync.cli import sync_app
 
 app = typer.Typer(help="liverl: online RL from production feedback.", no_args_is_help=True)
 keys_app = typer.Typer(help="API keys: per-tenant write keys and admin keys.")
 dlq_app = typer.Typer(help="The dead-letter topic: what could not be processed, and why.")
 app.add_typer(keys_app, name="keys")
 app.add_typer(dlq_app, name="dlq")
+app.add_typer(delta_app, name="delta")
+app.add_typer(sync_app, name="sync")
 console = Console()
 
 
 def settings_from(data_dir: Optional[Path]) -> Settings:
-    return Settings(data_dir=data_dir) if data_dir else Settings()
+    from liverl.stack import running_settings
+
+    return running_settings(Settings(data_dir=data_dir) if data_dir else Settings())
 
 
 DataDir = typer.Option(None, "--data-dir", envvar="LIVERL_DATA_DIR", help="State directory.")
@@ -152,7 +158,10 @@ def read_dead_letters(settings: Settings) -> list:
     from liverl.contracts import DeadLetter, Topics
     from liverl.kafka import read_topic
 
-    return [DeadLetter.model_validate_json(v) for v in read_topic(settings, Topics.DEAD_LETTER)]
+    try:
+        return [DeadLetter.model_validate_json(v) for v in read_topic(settings, Topics.DEAD_LETTER)]
+    except ConnectionError as error:
+        fail(str(error))
 
 
 @dlq_app.command("list")
@@ -187,7 +196,6 @@ def dlq_replay(event_id: str, payload_file: Optional[Path] = typer.Option(
             console.print(f"replayed {event_id} to {d.source_topic}")
             return
     fail(f"no dead letter {event_id}")
-
 
 
 # --- policies -------------------------------------------------------------------------------
@@ -274,3 +282,7 @@ def learner_pause(data_dir: Optional[Path] = DataDir) -> None:
 @learner_app.command("resume")
 def learner_resume(data_dir: Optional[Path] = DataDir) -> None:
     learner_call(data_dir, "resume")
+
+
+if __name__ == "__main__":
+    app()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import time
 
 from aiokafka import AIOKafkaProducer
@@ -91,10 +92,21 @@ async def group_lag(settings: Settings, group: str, topics: tuple[str, ...]) -> 
         await consumer.stop()
 
 
+def check_reachable(settings: Settings) -> None:
+    """Fail fast: kafka-python would wait for metadata from a missing broker forever."""
+    host, _, port = settings.bootstrap.split(",")[0].rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=3).close()
+    except OSError as error:
+        raise ConnectionError(f"the broker at {settings.bootstrap} is not reachable ({error}); "
+                              "is the stack up (`liverl status`)?") from error
+
+
 def read_topic(settings: Settings, topic: str, timeout_s: float = 10.0) -> list[bytes]:
     """Every message on a topic, from the beginning to its current end (no group)."""
     from kafka import KafkaConsumer, TopicPartition
 
+    check_reachable(settings)
     consumer = KafkaConsumer(bootstrap_servers=settings.bootstrap, enable_auto_commit=False,
                              api_version=KAFKA_PYTHON_API_VERSION)
     try:
@@ -127,6 +139,7 @@ def partition_key(payload: bytes) -> bytes | None:
 def produce_sync(settings: Settings, topic: str, payload: bytes) -> None:
     from kafka import KafkaProducer
 
+    check_reachable(settings)
     producer = KafkaProducer(bootstrap_servers=settings.bootstrap, acks="all",
                              api_version=KAFKA_PYTHON_API_VERSION)
     try:

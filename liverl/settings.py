@@ -86,6 +86,17 @@ class S3DeltaStore(BaseModel):
 DeltaStoreConfig = Annotated[Union[LocalDeltaStore, S3DeltaStore], Field(discriminator="kind")]
 
 
+class SyncConfig(BaseModel):
+    """How policy versions travel from the learner to the replicas (sync/)."""
+
+    transport: Literal["delta", "full"] = Field(
+        "delta", description="Ship verified deltas through the delta store, or load the registry's directory."
+    )
+    snapshot_every: int = Field(10, ge=1, description="Also store a full snapshot of every Nth version.")
+    keep_versions: int = Field(8, ge=1, description="Newest versions the delta store keeps besides those still needed.")
+    fetch_retries: int = Field(3, ge=0, description="Extra fetches of a chunk that arrives corrupted or short.")
+
+
 # --- Components ----------------------------------------------------------------------------
 class PortsConfig(BaseModel):
     api: int = Field(18080, description="Ingest + admin API port.")
@@ -185,6 +196,7 @@ class Settings(BaseSettings):
     delta_store: DeltaStoreConfig = Field(
         default_factory=LocalDeltaStore, description="Where policy deltas are shipped."
     )
+    sync: SyncConfig = Field(default_factory=SyncConfig, description="Delta transport to the replicas.")
     starter: StarterPolicyConfig = Field(
         default_factory=StarterPolicyConfig, description="The starter policy."
     )

@@ -83,6 +83,18 @@ def manifest_file(settings: Settings) -> Path:
     return settings.run_dir / "stack.json"
 
 
+def settings_file(settings: Settings) -> Path:
+    return settings.run_dir / "settings.json"
+
+
+def running_settings(settings: Settings) -> Settings:
+    """The settings the stack in settings.data_dir runs with, if one runs there: commands
+    from any shell then reach its ports and broker whatever their own environment says."""
+    if manifest_file(settings).exists() and settings_file(settings).exists():
+        return Settings.model_validate_json(settings_file(settings).read_text())
+    return settings
+
+
 def read_manifest(settings: Settings) -> Manifest | None:
     path = manifest_file(settings)
     return Manifest.model_validate_json(path.read_text()) if path.exists() else None
@@ -187,6 +199,7 @@ def up(settings: Settings, say: Callable[[str], None] = print, progress: bool = 
     launcher = Launcher(settings, say)
     cluster_id = f"liverl-{uuid.uuid4().hex[:12]}"
     settings.broker_cluster_id = cluster_id
+    settings_file(settings).write_text(settings.model_dump_json(indent=2))
     try:
         if isinstance(settings.broker, EmbeddedBroker):
             binary = tansu_binary()

@@ -14,6 +14,11 @@ one, never on unverified weights):
   serves on.
 - "restart": blue/green per replica: start the new version beside the old, verify,
   point the gateway at it, let the old one finish its requests, stop it.
+
+With the delta transport (`sync.transport`, the default) the version is first staged
+while the replica serves on: rebuilt from the delta store into the replica's own
+directory and verified (`sync.replica`); the commit then loads that directory. If
+staging fails, the registry's full directory is loaded instead and the report says why.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from serving.replicas import (
     wait_replica,
     write_pool,
 )
+from sync.replica import ReplicaSync
 
 
 class VerificationFailed(RuntimeError):
@@ -50,13 +56,19 @@ class SwapReport(BaseModel):
     ok: bool
     mode: str
     pause_s: float = Field(0.0, description="Time the replica took no new requests.")
-    load_s: float = 0.0
+    load_s: float = Field(0.0, description="Applying the weights in the engine (or starting it).")
     start_s: float = 0.0
     verify_s: float = 0.0
     drain_s: float = 0.0
     max_logprob_diff: float | None = None
     reverted: bool = False
     error: str | None = None
+    transport: str = Field("full", description="delta: staged from the delta store; full: the registry's directory.")
+    fetched_bytes: int = Field(0, description="Bytes fetched from the delta store.")
+    weights_bytes: int = Field(0, description="Bytes of the version's tensors, what a full copy would ship.")
+    fetch_s: float = Field(0.0, description="Fetching and verifying chunks from the delta store.")
+    decode_s: float = Field(0.0, description="Decoding deltas into the replica's directory and verifying it.")
+    sync_error: str | None = Field(None, description="Why the delta transport was not used.")
 
 
 def probe_diff(url: str, model_dir: Path) -> float:
@@ -149,9 +161,34 @@ def revert(settings: Settings, old: Replica) -> bool:
 
 
 def replace_replica(settings: Settings, name: str, version: str, model_dir: Path) -> SwapReport:
+    weights, staging = stage(settings, name, version, model_dir)
     if settings.serving.swap == "inplace":
-        return swap_in_place(settings, name, version, model_dir)
-    return swap_by_restart(settings, name, version, model_dir)
+        report = swap_in_place(settings, name, version, weights)
+    else:
+        report = swap_by_restart(settings, name, version, weights)
+    report = report.model_copy(update=staging)
+    if settings.sync.transport == "delta":
+        replica = ReplicaSync.of(settings, name)
+        if report.ok and report.transport == "delta":
+            replica.commit(version)
+        else:
+            replica.abort(report.error or report.sync_error or "")
+    return report
+
+
+def stage(settings: Settings, name: str, version: str, model_dir: Path) -> tuple[Path, dict]:
+    """The directory to load and the transfer's figures for the report: with the delta
+    transport, `version` rebuilt and verified in the replica's own directory while it
+    serves on; the registry's `model_dir` if that fails."""
+    if settings.sync.transport != "delta":
+        return model_dir, {}
+    try:
+        weights, transfer = ReplicaSync.of(settings, name).stage(version)
+    except Exception as error:  # whatever broke the delta path, the full directory still serves
+        return model_dir, {"sync_error": f"{type(error).__name__}: {error}"}
+    return weights, {"transport": "delta", "fetched_bytes": transfer.fetched_bytes,
+                     "weights_bytes": transfer.weights_bytes, "fetch_s": transfer.fetch_s,
+                     "decode_s": transfer.decode_s + transfer.verify_s}
 
 
 def swap_by_restart(settings: Settings, name: str, version: str, model_dir: Path) -> SwapReport:

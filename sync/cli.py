@@ -1,4 +1,5 @@
-"""`liverl delta`: lossless deltas between two versions of a safetensors checkpoint."""
+"""`liverl delta`: lossless deltas between two versions of a safetensors checkpoint;
+`liverl sync`: how versions reach the replicas through the delta store."""
 
 from __future__ import annotations
 
@@ -13,11 +14,13 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
+from liverl.settings import Settings
 from sync.checkpoint import Checkpoint
 from sync.delta import DeltaError, DeltaManifest, apply_delta_dir, encode_delta, read_manifest
 
 app = typer.Typer(help="Lossless deltas between versions of a Hugging Face safetensors checkpoint.",
                   no_args_is_help=True)
+sync_app = typer.Typer(help="Delta transport to the replicas: status and retention.", no_args_is_help=True)
 console = Console()
 Threads = typer.Option(None, "--threads", "-t", help="Worker threads (default: one per core).")
 
@@ -107,3 +110,64 @@ def _errors():
     except (DeltaError, FileExistsError, FileNotFoundError) as error:
         console.print(f"[red]error:[/red] {error}")
         raise typer.Exit(1) from error
+
+
+# --- liverl sync ---------------------------------------------------------------------------
+DataDir = typer.Option(None, "--data-dir", envvar="LIVERL_DATA_DIR", help="State directory.")
+
+
+def _settings(data_dir: Optional[Path]) -> Settings:
+    return Settings(data_dir=data_dir) if data_dir else Settings()
+
+
+@sync_app.command("status")
+def sync_status(data_dir: Optional[Path] = DataDir) -> None:
+    """Each replica's version, what is pending, bytes shipped and the ratio achieved;
+    then what the delta store holds."""
+    from serving.replicas import read_pool
+    from sync.records import read_records, sync_store
+    from sync.replica import replica_states
+
+    settings = _settings(data_dir)
+    states = replica_states(settings)
+    pool = {r.name: r for r in read_pool(settings).replicas}
+    table = Table(title=f"replicas (transport: {settings.sync.transport})")
+    for column in ("replica", "serving", "local", "pending", "last transfer", "shipped", "ratio", "error"):
+        table.add_column(column)
+    for name in dict.fromkeys(list(pool) + list(states)):
+        replica, state = pool.get(name), states.get(name)
+        last = state.last if state else None
+        table.add_row(
+            name, replica.policy_version if replica else "-",
+            ", ".join(v for v in (state.held, state.previous) if v) if state else "-",
+            (state.pending if state else None) or "-",
+            f"{last.base or 'snapshot'} -> {last.version}: {len(last.objects)} objects" if last else "-",
+            f"{state.fetched_bytes / 1e6:,.2f} MB" if state else "-",
+            f"{state.weights_bytes / max(state.fetched_bytes, 1):.1f}x" if state and state.fetched_bytes else "-",
+            (state.error if state else None) or "")
+    console.print(table)
+    store = Table(title=f"delta store ({settings.delta_store.kind})")
+    for column in ("version", "parent", "weights", "delta", "snapshot", "delta ratio"):
+        store.add_column(column)
+    for record in sorted(read_records(sync_store(settings)).values(), key=lambda r: r.seq):
+        store.add_row(record.version, record.parent or "-", f"{record.nbytes / 1e6:,.2f} MB",
+                      f"{record.delta.size / 1e6:,.3f} MB" if record.delta else "-",
+                      f"{record.snapshot.size / 1e6:,.2f} MB" if record.snapshot else "-",
+                      f"{record.nbytes / record.delta.size:.1f}x" if record.delta else "-")
+    console.print(store)
+
+
+@sync_app.command("gc")
+def sync_gc(data_dir: Optional[Path] = DataDir) -> None:
+    """Remove store objects older than `sync.keep_versions` that no replica, alias or
+    rollback target needs."""
+    from policies.registry import Registry
+    from sync.records import sync_store
+    from sync.retention import collect_garbage
+
+    settings = _settings(data_dir)
+    result = collect_garbage(settings, sync_store(settings), Registry(settings.policies_dir))
+    console.print(f"kept {len(result.kept)} versions ({', '.join(result.kept) or 'none'}); "
+                  f"removed {len(result.removed)} objects")
+    for key in result.removed:
+        console.print(f"  removed {key}")

@@ -44,44 +44,60 @@ class DeltaStore(ABC):
     def put(self, key: str, path: Path) -> None:
         """Publish a file under `key`, replacing any object there."""
         _check_key(key)
-        hashes = []
         with open(path, "rb") as f:
-            while chunk := f.read(CHUNK_BYTES):
-                hashes.append(blake3.blake3(chunk).hexdigest())
-        index = {"size": Path(path).stat().st_size, "chunk_bytes": CHUNK_BYTES, "chunks": hashes}
+            index = _index(iter(lambda: f.read(CHUNK_BYTES), b""), Path(path).stat().st_size)
         self._delete(key + INDEX_SUFFIX)  # unlisted while the object is being replaced
         self._upload(key, Path(path))
-        self._put(key + INDEX_SUFFIX, json.dumps(index).encode())
+        self._put(key + INDEX_SUFFIX, index)
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        """Publish a small object (a version record) from memory."""
+        _check_key(key)
+        index = _index((data[i:i + CHUNK_BYTES] for i in range(0, len(data), CHUNK_BYTES)), len(data))
+        self._delete(key + INDEX_SUFFIX)
+        self._put(key, data)
+        self._put(key + INDEX_SUFFIX, index)
+
+    def get_bytes(self, key: str) -> bytes:
+        """A small object's content, every chunk verified (see `get`)."""
+        size, step, chunks = self._index_of(key)
+        return b"".join(self._fetch_chunk(key, i * step, min(step, size - i * step), expected)
+                        for i, expected in enumerate(chunks))
 
     def get(self, key: str, dest: Path | None = None) -> Path:
         """Fetch `key` into `dest` (default: the cache directory), verifying every chunk.
         Raises `StoreError` if the object is missing or a chunk stays corrupted."""
-        _check_key(key)
-        try:
-            index = json.loads(self._get(key + INDEX_SUFFIX))
-        except KeyError:
-            raise StoreError(f"no object {key!r} in the store") from None
+        size, step, chunks = self._index_of(key)
         dest = Path(dest) if dest else self.cache_dir.joinpath(*PurePosixPath(key).parts)
         dest.parent.mkdir(parents=True, exist_ok=True)
         partial = dest.with_name(f".{dest.name}.partial-{os.getpid()}")
-        size, step = index["size"], index["chunk_bytes"]
-        if len(index["chunks"]) != -(-size // step):
-            raise StoreError(f"{key}: the index does not cover {size} bytes")
         try:
             with open(partial, "wb") as f:
                 f.truncate(size)
 
                 def fetch(i: int) -> None:
-                    data = self._fetch_chunk(key, i * step, min(step, size - i * step), index["chunks"][i])
+                    data = self._fetch_chunk(key, i * step, min(step, size - i * step), chunks[i])
                     os.pwrite(f.fileno(), data, i * step)
 
                 with ThreadPoolExecutor(self.threads) as pool:
-                    list(pool.map(fetch, range(len(index["chunks"]))))
+                    list(pool.map(fetch, range(len(chunks))))
                 os.fsync(f.fileno())
             partial.replace(dest)
         finally:
             partial.unlink(missing_ok=True)
         return dest
+
+    def _index_of(self, key: str) -> tuple[int, int, list[str]]:
+        """(size, chunk bytes, chunk hashes) of a complete object."""
+        _check_key(key)
+        try:
+            index = json.loads(self._get(key + INDEX_SUFFIX))
+        except KeyError:
+            raise StoreError(f"no object {key!r} in the store") from None
+        size, step = index["size"], index["chunk_bytes"]
+        if len(index["chunks"]) != -(-size // step):
+            raise StoreError(f"{key}: the index does not cover {size} bytes")
+        return size, step, index["chunks"]
 
     def list(self, prefix: str = "") -> list[str]:
         """Keys of the complete objects under `prefix`, sorted."""
@@ -219,6 +235,11 @@ def open_store(config: LocalDeltaStore | S3DeltaStore, data_dir: Path, **options
     if isinstance(config, LocalDeltaStore):
         return LocalStore(Path(data_dir) / config.subdir, cache, **options)
     return S3Store(config, cache, **options)
+
+
+def _index(chunks: Iterable[bytes], size: int) -> bytes:
+    hashes = [blake3.blake3(chunk).hexdigest() for chunk in chunks]
+    return json.dumps({"size": size, "chunk_bytes": CHUNK_BYTES, "chunks": hashes}).encode()
 
 
 def _check_key(key: str) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import time
 import sys
@@ -25,9 +24,9 @@ def openai_client(settings, dev_keys) -> OpenAI:
 
 
 def liverl(settings, *args: str) -> subprocess.CompletedProcess:
+    """The CLI as an operator runs it: only the data directory points at the stack."""
     return subprocess.run([sys.executable, "-m", "liverl.cli", *args, "--data-dir", str(settings.data_dir)],
-                          capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, LIVERL_PORTS=settings.ports.model_dump_json()))
+                          capture_output=True, text=True, timeout=120)
 
 
 def test_completion_feedback_reward_row_in_clickhouse(settings, openai_client, dev_keys):

@@ -1,5 +1,6 @@
 """The learning plane on the shared stack: exactly-once learning, staleness, router
-replay records, swaps under load, and a corrupted version that must not serve."""
+replay records, swaps under load, a corrupted version that must not serve, and the
+demo in small: simulated users whose hidden preference the served policy learns."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from helpers import item, wait_for
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
+from liverl.demo import Population, wilson
 from liverl.process import spawn, stop_pid
 from liverl.stack import child_env, read_manifest
 from policies.promotion import Promoter
@@ -23,8 +25,12 @@ from policies.registry import Registry
 from serving.replicas import read_pool
 
 
-def learner_health(settings) -> dict:
-    return httpx.get(settings.url(settings.ports.learner) + "/health", timeout=5).json()
+def learner_health(settings) -> dict | None:
+    """The learner's /health, or None while it is (re)starting."""
+    try:
+        return httpx.get(settings.url(settings.ports.learner) + "/health", timeout=5).json()
+    except httpx.TransportError:
+        return None
 
 
 def synthetic_batch(n: int, version: str, routing: tuple[int, int] | None = None) -> list[dict]:
@@ -48,7 +54,7 @@ def synthetic_batch(n: int, version: str, routing: tuple[int, int] | None = None
 def paused_learner(settings, stack):
     """Learning paused and no promotion in flight, so a test owns the replicas."""
     httpx.post(settings.url(settings.ports.learner) + "/pause", timeout=10)
-    wait_for(lambda: not learner_health(settings)["promoting"], timeout=120)
+    wait_for(lambda: (health := learner_health(settings)) and not health["promoting"], timeout=120)
     yield
     httpx.post(settings.url(settings.ports.learner) + "/resume", timeout=10)
 
@@ -183,3 +189,22 @@ def test_corrupted_version_fails_verification_and_is_reverted(settings, paused_l
     assert read_pool(settings).replicas[0].policy_version == serving.policy_version
     history = registry.history(corrupt.version)
     assert [h["to"] for h in history] == ["candidate", "canary", "rolled_back"]
+
+
+def test_a_short_demo_run_raises_the_accept_rate(settings, dev_keys):
+    """The demo in small: simulated users teach the served policy their hidden rule."""
+    population = Population(settings, dev_keys["tenant_key"], users=4, seed=1, max_tokens=24)
+    threads = population.start()
+
+    def verdicts() -> list[bool]:
+        with population._lock:
+            return [ok for _, ok in sorted(e for t in population.tallies.values() for e in t.log)]
+
+    def risen() -> bool:
+        seen = verdicts()
+        return len(seen) >= 200 and wilson(sum(seen[-80:]), 80)[0] > wilson(sum(seen[:80]), 80)[1]
+    try:
+        wait_for(risen, timeout=300, interval=5)
+    finally:
+        population.stop(threads)
+    assert population.errors == 0

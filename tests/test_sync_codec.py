@@ -37,6 +37,18 @@ SPECIAL = {
     2: [0x7FC1, 0xFFC0, 0x7F81, 0x7F80, 0xFF80, 0x0000, 0x8000, 0x0001, 0x8001, 0x7F7F, 0x7E01, 0x7C00],
     4: [0x7FC00001, 0xFF800000, 0x7F800000, 0x80000000, 0x00000001, 0x807FFFFF, 0x7F7FFFFF, 0x7FBFFFFF],
 }
+# The same per float format: quiet and signalling NaNs with payloads (both signs),
+# infinities, signed zeros, the smallest and largest denormals, the largest finite
+# values, and the integer extremes of the bit patterns (where a difference wraps).
+SPECIAL_OF = {
+    torch.bfloat16: [0x7FC1, 0xFFC0, 0x7F81, 0xFFFF, 0x7FFF, 0x7F80, 0xFF80, 0x0000, 0x8000, 0x0001, 0x8001,
+                     0x007F, 0x807F, 0x0080, 0x7F7F, 0xFF7F, 0x3F80],
+    torch.float16: [0x7E01, 0xFE00, 0x7C01, 0xFFFF, 0x7FFF, 0x7C00, 0xFC00, 0x0000, 0x8000, 0x0001, 0x8001,
+                    0x03FF, 0x83FF, 0x0400, 0x7BFF, 0xFBFF, 0x3C00],
+    torch.float32: [0x7FC00001, 0xFFC00000, 0x7F800001, 0xFFFFFFFF, 0x7FFFFFFF, 0x7F800000, 0xFF800000,
+                    0x00000000, 0x80000000, 0x00000001, 0x80000001, 0x007FFFFF, 0x807FFFFF, 0x00800000,
+                    0x7F7FFFFF, 0xFF7FFFFF, 0x3F800000],
+}
 
 
 def random_tensor(rng: np.random.Generator, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -120,6 +132,84 @@ def test_models_with_new_removed_and_reshaped_tensors(tmp_path_factory, seed, ch
     assert sorted(manifest.removed) == sorted(set(old) - set(new))
     assert manifest.digest == state_digest(result) == state_digest(new)
     assert {t.name for t in manifest.tensors if t.encoding == "full"} >= {"fresh", "t0", "t1"}
+
+
+def special_bits(dtype: torch.dtype) -> np.ndarray:
+    """`SPECIAL_OF[dtype]` as the signed bit patterns `bits` gives."""
+    width = dtype.itemsize
+    return np.array(SPECIAL_OF[dtype], np.uint64).astype(f"<u{width}").view(f"<i{width}")
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), dtype=st.sampled_from(FLOATS), size=st.integers(1, 400),
+       share=st.sampled_from([0.01, 0.2, 0.7, 1.0]))
+def test_special_values_changing_into_each_other(tmp_path_factory, seed, dtype, size, share):
+    """NaN payloads, infinities, denormals, signed zeros and the largest finite values
+    changing into one another, by an ulp across a boundary (the largest finite value to
+    infinity, a denormal to a normal, +0 to the smallest denormal) or by a sign flip:
+    every pair of special bit patterns round-trips bit for bit."""
+    rng = np.random.default_rng(seed)
+    special = special_bits(dtype)
+    old, new = torch.zeros(size, dtype=dtype), torch.zeros(size, dtype=dtype)
+    old_bits, new_bits = bits(old), bits(new)
+    old_bits[:] = rng.choice(special, size)
+    new_bits[:] = old_bits
+    where = rng.random(size) < share
+    moves = rng.integers(0, 3, size)  # another special value, +-1 ulp, a sign flip
+    sign = np.array(1 << (8 * dtype.itemsize - 1), np.uint64).astype(f"<u{dtype.itemsize}").view(old_bits.dtype)
+    ulps = rng.choice(np.array([-2, -1, 1, 2], old_bits.dtype), size)
+    changed = np.where(moves == 0, rng.choice(special, size),
+                       np.where(moves == 1, old_bits + ulps, old_bits ^ sign))
+    new_bits[where] = changed[where]
+    path = tmp_path_factory.mktemp("d") / "d.delta"
+    encode_delta({"w": old, "same": old.clone()}, {"w": new, "same": old.clone()}, path,
+                 base_version="a", target_version="b")
+    result = apply_delta({"w": old, "same": old}, path)
+    assert same_bits(result["w"], new) and same_bits(result["same"], old)
+
+
+@settings(max_examples=200, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), width=st.sampled_from([1, 2, 4, 8]), size=st.integers(0, 3000),
+       share=st.sampled_from([0.0, 0.0005, 0.01, 0.3, 0.54, 0.56, 0.9, 1.0]),
+       kind=st.sampled_from(["ulps", "extremes", "bits"]), fresh=st.booleans())
+def test_codec_round_trips_any_integer_change(seed, width, size, share, kind, fresh):
+    """`encode_change`/`decode_change` alone, on every element width, around the
+    sparse/dense switch, with differences that wrap around the integer range."""
+    rng = np.random.default_rng(seed)
+    dtype = np.dtype(f"<i{width}")
+    info = np.iinfo(dtype)
+    extremes = np.array([info.min, info.min + 1, -1, 0, 1, info.max - 1, info.max], dtype)
+    old = rng.integers(info.min, info.max, size, dtype, endpoint=True)
+    if kind == "extremes":
+        old = rng.choice(extremes, size)
+    new = old.copy()
+    where = np.flatnonzero(rng.random(size) < share)
+    if kind == "ulps":
+        new[where] += rng.choice(np.array([-2, -1, 1, 2], dtype), len(where))  # wraps at the ends
+    elif kind == "extremes":
+        new[where] = rng.choice(extremes, len(where))
+    else:
+        new[where] = rng.integers(info.min, info.max, len(where), dtype, endpoint=True)
+    base = None if fresh else old
+    coding, changed, streams = encode_change(base, new)
+    out = np.full(size, 0x55, dtype)  # garbage: every value must be written
+    decode_change(base, coding, streams, out)
+    assert np.array_equal(out, new)
+    assert changed == (size if fresh else int(np.count_nonzero(old != new)))
+
+
+def test_unknown_coding_and_mismatched_streams_are_refused():
+    old = np.arange(1000, dtype=np.int16)
+    new = old.copy()
+    new[::50] += 1
+    coding, _, streams = encode_change(old, new)
+    out = np.empty_like(old)
+    with pytest.raises(ValueError, match="unknown coding"):
+        decode_change(old, "lzw", streams, out)
+    with pytest.raises(ValueError):  # the planes of another element width
+        decode_change(old.astype(np.int32), coding, streams, np.empty(1000, np.int32))
+    with pytest.raises(ValueError):  # a sparse change needs its base
+        decode_change(None, coding, streams, out)
 
 
 @pytest.mark.parametrize("gaps", [[0], [254, 255, 256], [509, 510, 511], [70_000, 0, 255 * 3]])
@@ -226,6 +316,53 @@ def test_any_corrupted_or_truncated_byte_is_detected(tmp_path, two_versions):
         assert not (tmp_path / "out").exists()
 
     check()
+
+
+@pytest.fixture
+def mixed_delta(tmp_path):
+    """A delta with every kind of entry: sparse and dense chunks of each float dtype,
+    passthrough dtypes, a new tensor, a removed one, an unchanged one."""
+    rng = np.random.default_rng(4)
+    old = {f"{dtype}".removeprefix("torch."): random_tensor(rng, dtype, (300,)) for dtype in FLOATS + OTHERS}
+    old["gone"] = random_tensor(rng, torch.bfloat16, (10,))
+    new = {name: step(rng, t, density, kind) for (name, t), (density, kind) in
+           zip(old.items(), [(0.02, "ulps"), (0.9, "ulps"), (0.3, "sign"), (0.5, "bits")] * 4)
+           if name != "gone"}
+    new["bfloat16"] = old["bfloat16"].clone()
+    new["fresh"] = random_tensor(rng, torch.float16, (64,))
+    path = tmp_path / "mixed.delta"
+    manifest = encode_delta(old, new, path, base_version="a", target_version="b")
+    codings = {c.coding for t in manifest.tensors for c in t.chunks}
+    encodings = {t.encoding for t in manifest.tensors}
+    assert codings == {"sparse", "dense"} and encodings == {"same", "delta", "full"} and manifest.removed == ["gone"]
+    return old, new, path
+
+
+def test_mixed_delta_round_trips(mixed_delta):
+    old, new, path = mixed_delta
+    result = apply_delta(old, path, expected_base="a")
+    assert list(result) == list(new) and all(same_bits(result[k], new[k]) for k in new)
+
+
+def test_every_truncation_and_corruption_of_a_mixed_delta_is_detected(tmp_path, mixed_delta):
+    """The delta cut at every length, and a flipped byte in the header, the footer, every
+    blob and 300 other random places."""
+    old, _, path = mixed_delta
+    data = path.read_bytes()
+    bad = tmp_path / "bad.delta"
+    for length in range(len(data)):
+        bad.write_bytes(data[:length])
+        with pytest.raises(CorruptDeltaError):
+            apply_delta(old, bad)
+    manifest = read_manifest(path)
+    blobs = [c for t in manifest.tensors for c in t.chunks]
+    rng = np.random.default_rng(5)
+    positions = ([*range(8), *range(len(data) - 48, len(data))] + [b.offset + b.length // 2 for b in blobs]
+                 + rng.integers(0, len(data), 300).tolist())
+    for position in positions:
+        bad.write_bytes(data[:position] + bytes([data[position] ^ int(rng.integers(1, 256))]) + data[position + 1:])
+        with pytest.raises(CorruptDeltaError):
+            apply_delta(old, bad)
 
 
 def test_cli_encode_apply_info(tmp_path, two_versions):

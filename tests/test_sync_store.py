@@ -17,10 +17,8 @@ from sync.store import StoreError, open_store
 
 @pytest.fixture(scope="module")
 def s3_endpoint():
-    try:
-        from moto.server import ThreadedMotoServer
-    except ImportError as error:  # moto[server] is a test dependency; say so rather than pass
-        pytest.skip(f"moto[server] is not installed ({error}); the S3 store is untested")
+    from moto.server import ThreadedMotoServer
+
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()

@@ -1,0 +1,88 @@
+"""Retention of the delta store: keep the newest versions and whatever is still needed.
+
+Kept: the `keep_versions` newest versions; every version a replica holds, is staging
+or keeps for rollback; the registry's aliases (stable, canary) and the rollback
+target (the stable version before the current one). For each kept version the store
+keeps what rebuilds it: the nearest snapshot on its lineage and the deltas after it,
+and the deltas from any version a replica holds, so that replica still takes the
+short chain. Everything else goes: records first, so no reader plans with an object
+that is about to disappear.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+from liverl.settings import Settings
+from policies.registry import Registry
+from serving.replicas import read_pool
+from sync.records import OBJECT_PREFIXES, VersionRecord, read_records, record_key, write_record
+from sync.replica import replica_states
+from sync.store import DeltaStore
+
+
+class Needs(BaseModel):
+    protected: set[str] = Field(description="Versions that must stay reachable.")
+    held: set[str] = Field(description="Versions replicas hold locally (their chains are kept too).")
+
+
+class Collected(BaseModel):
+    kept: list[str] = Field(description="Versions whose records remain.")
+    removed: list[str] = Field(description="Store keys deleted.")
+
+
+def needs(settings: Settings, registry: Registry) -> Needs:
+    """What replicas, aliases and rollback targets need, from the pool, the replicas'
+    sync states and the registry."""
+    held = {r.policy_version for r in read_pool(settings).replicas}
+    pending = set()
+    for state in replica_states(settings).values():
+        held |= {v for v in (state.held, state.previous) if v}
+        pending |= {state.pending} if state.pending else set()
+    aliases = {v.version for v in registry.versions() if v.state in ("stable", "canary")}
+    stables = [e["version"] for e in registry.history() if e["to"] == "stable"]
+    current = registry.stable()
+    rollback = [v for v in stables if current is None or v != current.version][-1:]
+    return Needs(protected=held | pending | aliases | set(rollback), held=held)
+
+
+def retained(records: dict[str, VersionRecord], keep_versions: int, needs: Needs) -> dict[str, VersionRecord]:
+    """The records to keep, each trimmed to the objects still needed."""
+    newest = sorted(records.values(), key=lambda r: r.seq)[-keep_versions:]
+    wanted = {r.version for r in newest} | (needs.protected & set(records))
+    kept = set(wanted)  # wanted versions and those on their way
+    deltas: set[str] = set()  # versions whose delta (from their parent) is kept
+    snapshots: set[str] = set()
+    for version in wanted:
+        lineage = [version]
+        while records[lineage[-1]].parent in records and len(lineage) <= len(records):
+            lineage.append(records[lineage[-1]].parent)
+        anchor = next((i for i, v in enumerate(lineage) if records[v].snapshot), len(lineage) - 1)
+        if records[lineage[anchor]].snapshot:
+            snapshots.add(lineage[anchor])
+        reach = max([anchor] + [i for i, v in enumerate(lineage) if v in needs.held])
+        deltas |= set(lineage[:reach])
+        kept |= set(lineage[:reach + 1])
+    return {v: records[v].model_copy(update={"delta": records[v].delta if v in deltas else None,
+                                              "snapshot": records[v].snapshot if v in snapshots else None})
+            for v in kept}
+
+
+def collect(store: DeltaStore, keep_versions: int, needs: Needs) -> Collected:
+    records = read_records(store)
+    keep = retained(records, keep_versions, needs)
+    keys = set()
+    for version, record in keep.items():
+        if record != records[version]:
+            write_record(store, record)  # before its objects go: no reader plans with them
+        keys |= {record_key(version)} | {o.key for o in (record.delta, record.snapshot) if o}
+    removed = [record_key(v) for v in records if v not in keep]
+    # Then the objects no kept record names, including leftovers of an interrupted run.
+    removed += [k for prefix in OBJECT_PREFIXES for k in store.list(prefix) if k not in keys]
+    for key in removed:
+        store.delete(key)
+    return Collected(kept=sorted(keep, key=lambda v: keep[v].seq), removed=removed)
+
+
+def collect_garbage(settings: Settings, store: DeltaStore, registry: Registry) -> Collected:
+    return collect(store, settings.sync.keep_versions, needs(settings, registry))
