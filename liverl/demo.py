@@ -14,6 +14,7 @@ import ast
 import json
 import math
 import random
+import statistics
 import threading
 import time
 import warnings
@@ -27,6 +28,7 @@ from rich.table import Table
 
 from liverl.client import FeedbackClient
 from liverl.settings import Settings
+from policies.registry import Registry
 
 VERSION_SQL = """SELECT policy_version, sum(samples) AS n,
     round(sum(reward_sum) / n, 3) AS mean_reward,
@@ -152,8 +154,19 @@ def live_table(pop: Population, learner_status: dict) -> Table:
     return table
 
 
+def learning_curve(tallies: dict[str, Tally], window: int = 100) -> list[tuple[float, int, float]]:
+    """(seconds, feedback events so far, accept rate of the last `window` verdicts)."""
+    verdicts = sorted(e for t in tallies.values() for e in t.log)
+    curve, accepted = [], 0
+    for i, (at, ok) in enumerate(verdicts):
+        accepted += ok - (verdicts[i - window][1] if i >= window else 0)
+        curve.append((at, i + 1, accepted / min(i + 1, window)))
+    return curve
+
+
 def plot(tallies: dict[str, Tally], out_dir: Path) -> tuple[Path, Path]:
-    """Accept rate per version over time: a PNG, and an HTML page embedding it as SVG."""
+    """The learning curve against wall time (with each version's rate and 95% CI) and
+    against feedback events: a PNG, and an HTML page embedding it as SVG."""
     import io
 
     import matplotlib
@@ -161,20 +174,28 @@ def plot(tallies: dict[str, Tally], out_dir: Path) -> tuple[Path, Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(9, 4.5))
+    fig, (by_time, by_events) = plt.subplots(1, 2, figsize=(13, 4.5))
     for version, t in sorted(tallies.items(), key=lambda kv: int(kv[0][1:])):
         if not t.log:
             continue
         times = [x for x, _ in t.log]
-        rate = sum(ok for _, ok in t.log) / len(t.log)
-        lo, hi = wilson(sum(ok for _, ok in t.log), len(t.log))
-        ax.hlines(rate, min(times), max(times), linewidth=3, label=f"{version} ({len(t.log)} served)")
-        ax.fill_between([min(times), max(times)], lo, hi, alpha=0.2)
-    ax.set_xlabel("seconds since the first request")
-    ax.set_ylabel("accept rate (95% CI)")
-    ax.set_ylim(0, 1)
-    ax.set_title("Accept rate of each served policy version")
-    ax.legend(loc="upper left", fontsize=8)
+        lo, hi = wilson(t.accepted, t.served)
+        by_time.hlines(t.accepted / t.served, min(times), max(times), color="tab:blue", linewidth=3)
+        by_time.fill_between([min(times), max(times)], lo, hi, color="tab:blue", alpha=0.15)
+    curve = learning_curve(tallies)
+    by_time.plot([c[0] for c in curve], [c[2] for c in curve], color="tab:orange", linewidth=1,
+                 label="last 100 verdicts")
+    by_time.plot([], [], color="tab:blue", linewidth=3, label="each version (95% CI)")
+    by_time.set_xlabel("seconds since the first request")
+    by_time.set_title("Accept rate of the served policy")
+    by_time.legend(loc="lower right", fontsize=8)
+    by_events.plot([c[1] for c in curve], [c[2] for c in curve], color="tab:orange")
+    by_events.set_xlabel("feedback events")
+    by_events.set_title("Accept rate (last 100 verdicts) vs feedback")
+    for ax in (by_time, by_events):
+        ax.set_ylim(0, 1)
+        ax.set_ylabel("accept rate")
+        ax.grid(alpha=0.3)
     fig.tight_layout()
     out_dir.mkdir(parents=True, exist_ok=True)
     png, html = out_dir / "accept_rate.png", out_dir / "accept_rate.html"
@@ -185,6 +206,26 @@ def plot(tallies: dict[str, Tally], out_dir: Path) -> tuple[Path, Path]:
     html.write_text(f"<!doctype html><title>liverl demo</title><h1>Accept rate per policy version</h1>"
                     f"{svg.getvalue()[svg.getvalue().index('<svg'):]}")
     return png, html
+
+
+def feedback_to_serving(settings: Settings) -> dict:
+    """Seconds from feedback to every replica serving a version that learned from it.
+
+    Per stable version: from the newest sample in its window (the fastest any feedback
+    got in) and from the oldest (the slowest). Simulated users answer within
+    milliseconds of being served, so serving time stands in for feedback time.
+    """
+    registry = Registry(settings.policies_dir)
+    stable_at = {e["version"]: e["at"] for e in registry.history() if e["to"] == "stable"}
+    newest, oldest = [], []
+    for v in registry.versions():
+        if v.version in stable_at and v.window and v.window.first_served:
+            newest.append(stable_at[v.version] - v.window.last_served)
+            oldest.append(stable_at[v.version] - v.window.first_served)
+    if not newest:
+        return {}
+    return {"versions": len(newest), "median_newest": statistics.median(newest),
+            "median_oldest": statistics.median(oldest), "max_oldest": max(oldest)}
 
 
 def summary(tallies: dict[str, Tally]) -> dict:
@@ -230,6 +271,8 @@ def run_demo(settings: Settings, minutes: float, users: int, seed: int, max_toke
             "sql": VERSION_SQL, "format": "json"}).text)["data"]
         print_rows(per_version, "per policy version, from ClickHouse")
         result = summary(pop.tallies)
+        result["feedback_to_serving_s"] = feedback_to_serving(settings)
+        result["learning_curve"] = learning_curve(pop.tallies)[::25]
         result["clickhouse"] = per_version
         png, html = plot(pop.tallies, out_dir)
         (out_dir / "summary.json").write_text(json.dumps(result, indent=2))

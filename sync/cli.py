@@ -117,7 +117,10 @@ DataDir = typer.Option(None, "--data-dir", envvar="LIVERL_DATA_DIR", help="State
 
 
 def _settings(data_dir: Optional[Path]) -> Settings:
-    return Settings(data_dir=data_dir) if data_dir else Settings()
+    """The running stack's settings where one runs there (its delta store, its sync policy)."""
+    from liverl.stack import running_settings
+
+    return running_settings(Settings(data_dir=data_dir) if data_dir else Settings())
 
 
 @sync_app.command("status")

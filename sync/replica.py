@@ -11,6 +11,7 @@ next staging removes the leftovers.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import time
@@ -21,9 +22,11 @@ from pydantic import BaseModel, Field
 from liverl.faults import crash_point
 from liverl.process import alive
 from liverl.settings import Settings
-from sync.delta import apply_delta_dir, state_digest
+from sync.delta import DeltaError, apply_delta_dir, state_digest
 from sync.records import StoredObject, VersionRecord, read_records, sync_store
 from sync.store import DeltaStore
+
+log = logging.getLogger(__name__)
 
 STATE_FILE = "sync.json"
 WORK_PREFIX = ".work-"
@@ -57,6 +60,7 @@ class Transfer(BaseModel):
     fetch_s: float = Field(0.0, description="Fetching and verifying chunks.")
     decode_s: float = Field(0.0, description="Decoding the steps into checkpoint directories.")
     verify_s: float = Field(0.0, description="Checking the result's digest against the record.")
+    dirty_base: str | None = Field(None, description="A local base that failed to apply, and why.")
 
 
 class ReplicaState(BaseModel):
@@ -67,6 +71,7 @@ class ReplicaState(BaseModel):
     weights_bytes: int = Field(0, description="Bytes of the versions those transfers delivered.")
     last: Transfer | None = None
     error: str | None = Field(None, description="Why the last staging or swap failed.")
+    dirty: list[str] = Field(default_factory=list, description="Local versions found damaged: never a base.")
 
 
 def plan(records: dict[str, VersionRecord], local: set[str], target: str) -> Plan:
@@ -125,11 +130,34 @@ class ReplicaSync:
         Raises `SyncError`, `StoreError` or `DeltaError`; nothing is then in place."""
         self._remove_leftovers()
         self._update(pending=target, error=None)
-        if target in self.local_versions():
+        state = self.state()
+        usable = self.local_versions() - set(state.dirty)
+        if target in usable:
             return self.path(target), Transfer(version=target, base=target)
         records = read_records(self.store)
-        route = plan(records, self.local_versions(), target)
+        route = plan(records, usable, target)
         transfer = Transfer(version=target, base=route.base, weights_bytes=records[target].nbytes)
+        try:
+            self._rebuild(route, records[target], transfer)
+        except (DeltaError, SyncError) as error:
+            if route.base is None:
+                raise
+            # The local base is not the version it claims (damaged on disk): never build on
+            # it again, and rebuild from a snapshot, as a failed apply should.
+            log.warning("%s: applying to the local %s failed (%s); rebuilding from a snapshot",
+                        self.root.name, route.base, error)
+            self._update(dirty=sorted(set(state.dirty) | {route.base}))
+            transfer.dirty_base, transfer.base = f"{route.base}: {error}", None
+            self._rebuild(plan(records, set(), target), records[target], transfer)
+        state = self.state()
+        self._update(last=transfer, fetched_bytes=state.fetched_bytes + transfer.fetched_bytes,
+                     weights_bytes=state.weights_bytes + transfer.weights_bytes,
+                     dirty=[v for v in state.dirty if v != target])
+        return self.path(target), transfer
+
+    def _rebuild(self, route: Plan, record: VersionRecord, transfer: Transfer) -> None:
+        """Fetch and apply `route`'s steps in a work directory, check the digest, then move
+        the result into place with one rename."""
         work = self.root / f"{WORK_PREFIX}{os.getpid()}"
         work.mkdir(parents=True)
         try:
@@ -150,17 +178,14 @@ class ReplicaSync:
                 current = out
                 crash_point("sync.apply_step")
             started = time.perf_counter()
-            if state_digest(current) != records[target].digest:
-                raise SyncError(f"{target}: the rebuilt weights do not match the record's digest")
+            if state_digest(current) != record.digest:
+                raise SyncError(f"{record.version}: the rebuilt weights do not match the record's digest")
             transfer.verify_s = time.perf_counter() - started
             crash_point("sync.before_rename")
-            current.rename(self.path(target))
+            shutil.rmtree(self.path(record.version), ignore_errors=True)  # only ever a damaged copy
+            current.rename(self.path(record.version))
         finally:
             shutil.rmtree(work, ignore_errors=True)
-        state = self.state()
-        self._update(last=transfer, fetched_bytes=state.fetched_bytes + transfer.fetched_bytes,
-                     weights_bytes=state.weights_bytes + transfer.weights_bytes)
-        return self.path(target), transfer
 
     def commit(self, version: str) -> None:
         """The replica serves `version` now: record it, keep it and the one before, drop
@@ -201,4 +226,5 @@ def replica_states(settings: Settings) -> dict[str, ReplicaState]:
     root = replicas_dir(settings)
     if not root.is_dir():
         return {}
-    return {p.parent.name: ReplicaState.model_validate_json(p.read_text()) for p in sorted(root.glob(f"*/{STATE_FILE}"))}
+    return {p.parent.name: ReplicaState.model_validate_json(p.read_text())
+            for p in sorted(root.glob(f"*/{STATE_FILE}"))}

@@ -6,7 +6,8 @@ target (the stable version before the current one). For each kept version the st
 keeps what rebuilds it: the nearest snapshot on its lineage and the deltas after it,
 and the deltas from any version a replica holds, so that replica still takes the
 short chain. Everything else goes: records first, so no reader plans with an object
-that is about to disappear.
+that is about to disappear. (A replica already fetching such an object fails its
+staging and loads the registry's full directory; the swap records why.)
 """
 
 from __future__ import annotations
@@ -54,15 +55,16 @@ def retained(records: dict[str, VersionRecord], keep_versions: int, needs: Needs
     deltas: set[str] = set()  # versions whose delta (from their parent) is kept
     snapshots: set[str] = set()
     for version in wanted:
-        lineage = [version]
-        while records[lineage[-1]].parent in records and len(lineage) <= len(records):
+        lineage = [version]  # back to the oldest record, and its parent (held, maybe, without one)
+        while lineage[-1] in records and records[lineage[-1]].parent and len(lineage) <= len(records):
             lineage.append(records[lineage[-1]].parent)
-        anchor = next((i for i, v in enumerate(lineage) if records[v].snapshot), len(lineage) - 1)
-        if records[lineage[anchor]].snapshot:
+        anchor = next((i for i, v in enumerate(lineage) if v in records and records[v].snapshot), None)
+        if anchor is not None:
             snapshots.add(lineage[anchor])
-        reach = max([anchor] + [i for i, v in enumerate(lineage) if v in needs.held])
-        deltas |= set(lineage[:reach])
-        kept |= set(lineage[:reach + 1])
+        reach = max([len(lineage) - 1 if anchor is None else anchor]
+                    + [i for i, v in enumerate(lineage) if v in needs.held])
+        deltas |= set(lineage[:reach])  # the delta of each version on the way from the base
+        kept |= {v for v in lineage[:reach + 1] if v in records}
     return {v: records[v].model_copy(update={"delta": records[v].delta if v in deltas else None,
                                               "snapshot": records[v].snapshot if v in snapshots else None})
             for v in kept}

@@ -371,3 +371,36 @@ def test_sync_cli_status_and_gc(tmp_path):
     gc = runner.invoke(app, ["sync", "gc", "--data-dir", str(tmp_path)])
     assert gc.exit_code == 0, gc.output
     assert "kept 3 versions (v1, v2, v3); removed 0 objects" in gc.output
+
+
+def test_retention_keeps_the_delta_from_a_held_version_the_store_has_no_record_of(tmp_path):
+    store = local_store(tmp_path)
+    lineage = Lineage(tmp_path)
+    lineage.add()
+    lineage.publish(store)  # an empty store: v1's snapshot, and its delta from v0
+    assert collect(store, 8, Needs(protected={"v0"}, held={"v0"})).removed == []
+    assert read_records(store)["v1"].delta  # replicas on v0 still take the small delta
+    assert collect(store, 8, Needs(protected=set(), held=set())).removed == ["deltas/v1.delta"]
+
+
+def test_a_damaged_local_base_is_marked_dirty_and_a_snapshot_is_used(tmp_path):
+    store = local_store(tmp_path)
+    lineage = Lineage(tmp_path)
+    lineage.publish(store, snapshot_every=1)
+    replica = ReplicaSync(tmp_path / "replicas" / "r0", store)
+    replica.stage("v0")
+    replica.commit("v0")
+    lineage.add()
+    lineage.publish(store, snapshot_every=1)
+    weights = replica.path("v0") / "model.safetensors"  # fault injection: a flipped bit on disk
+    data = bytearray(weights.read_bytes())
+    data[-5] ^= 0x10
+    weights.write_bytes(bytes(data))
+
+    path, transfer = replica.stage("v1")
+    assert transfer.dirty_base.startswith("v0: ") and transfer.base is None
+    assert transfer.objects == ["deltas/v1.delta", "snapshots/v1.delta"]
+    assert same_weights(path, lineage.dir("v1")) and replica.state().dirty == ["v0"]
+    path, transfer = replica.stage("v0")  # never a base again; staged anew, it is whole again
+    assert transfer.objects == ["snapshots/v0.delta"] and same_weights(path, lineage.dir("v0"))
+    assert replica.state().dirty == []
