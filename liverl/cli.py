@@ -242,6 +242,22 @@ def policy_promote(version: str, data_dir: Optional[Path] = DataDir,
     console.print(f"{version}: {result.state}")
 
 
+@policy_app.command("rollback")
+def policy_rollback(reason: str = typer.Option(..., help="Why (recorded in the audit log)."),
+                    data_dir: Optional[Path] = DataDir,
+                    actor: str = typer.Option("cli", help="Who rolls back (recorded in the audit log).")) -> None:
+    """Take the stable version out of serving: the previous stable one returns everywhere."""
+    from policies.promotion import Promoter
+    from policies.registry import Registry
+
+    settings = settings_from(data_dir)
+    try:
+        result = Promoter(settings, Registry(settings.policies_dir)).rollback(actor, reason)
+    except (KeyError, RuntimeError) as error:
+        fail(str(error))
+    console.print(f"{result.version}: {result.state}")
+
+
 # --- demo ------------------------------------------------------------------------------------
 @app.command()
 def demo(minutes: float = typer.Option(10.0, help="How long the simulated product runs."),
@@ -256,7 +272,8 @@ def demo(minutes: float = typer.Option(10.0, help="How long the simulated produc
     settings = demo_settings()
     shutil.rmtree(settings.data_dir, ignore_errors=True)  # every demo starts from the starter policy
     result = run_demo(settings, minutes, users, seed, max_tokens=24, out_dir=out, console=console)
-    console.print_json(json.dumps(result))
+    # The per-version table is printed above; the curve is in the plot and summary.json.
+    console.print_json(json.dumps({k: v for k, v in result.items() if k not in ("clickhouse", "learning_curve")}))
 
 
 # --- learner --------------------------------------------------------------------------------

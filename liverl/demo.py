@@ -160,7 +160,8 @@ def learning_curve(tallies: dict[str, Tally], window: int = 100) -> list[tuple[f
     curve, accepted = [], 0
     for i, (at, ok) in enumerate(verdicts):
         accepted += ok - (verdicts[i - window][1] if i >= window else 0)
-        curve.append((at, i + 1, accepted / min(i + 1, window)))
+        if i + 1 >= window // 4:  # a rate of the first few verdicts is noise
+            curve.append((at, i + 1, accepted / min(i + 1, window)))
     return curve
 
 

@@ -63,6 +63,24 @@ class Promoter:
             self.transition(previous.version, "superseded", actor, f"replaced by {version}")
         return self.transition(version, "stable", actor, "every replica verified")
 
+    def rollback(self, actor: str, reason: str) -> PolicyVersion:
+        """Take the stable version out: the version stable before it serves again."""
+        from serving.swap import roll_out
+
+        current = self.registry.stable()
+        if current is None:
+            raise KeyError("no stable version to roll back")
+        earlier = [e["version"] for e in self.registry.history()
+                   if e["to"] == "stable" and e["version"] != current.version]
+        if not earlier:
+            raise KeyError(f"{current.version} is the first stable version; nothing to roll back to")
+        target = self.registry.get(earlier[-1])
+        failed = [r for r in roll_out(self.settings, target.version, Path(target.model_dir)) if not r.ok]
+        if failed:
+            raise RuntimeError(f"rollback to {target.version} failed on {failed[0].replica}: {failed[0].error}")
+        self.transition(current.version, "rolled_back", actor, reason)
+        return self.transition(target.version, "stable", actor, f"rollback from {current.version}: {reason}")
+
     # --- automatic promotion, in the background ------------------------------------------
     def offer(self, version: PolicyVersion) -> None:
         self.announce(version)

@@ -62,3 +62,15 @@ def api(settings: Settings, dev_keys: dict) -> httpx.Client:
     with httpx.Client(base_url=settings.url(settings.ports.api), timeout=30,
                       headers={"Authorization": f"Bearer {dev_keys['tenant_key']}"}) as client:
         yield client
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """An S3-compatible server on 127.0.0.1 (moto's), for the S3 delta store."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()

@@ -191,6 +191,16 @@ def test_corrupted_version_fails_verification_and_is_reverted(settings, paused_l
     assert [h["to"] for h in history] == ["candidate", "canary", "rolled_back"]
 
 
+def test_rollback_returns_the_previous_stable_version_everywhere(settings, paused_learner):
+    registry = Registry(settings.policies_dir)
+    current = registry.stable()
+    restored = Promoter(settings, registry).rollback("test", "accept rate dropped")
+    assert restored.version != current.version and restored.state == "stable"
+    assert registry.get(current.version).state == "rolled_back"
+    assert {r.policy_version for r in read_pool(settings).replicas} == {restored.version}
+    assert registry.history(restored.version)[-1]["reason"].startswith(f"rollback from {current.version}")
+
+
 def test_a_short_demo_run_raises_the_accept_rate(settings, dev_keys):
     """The demo in small: simulated users teach the served policy their hidden rule."""
     population = Population(settings, dev_keys["tenant_key"], users=4, seed=1, max_tokens=24)

@@ -15,17 +15,6 @@ from sync.checkpoint import bits
 from sync.store import StoreError, open_store
 
 
-@pytest.fixture(scope="module")
-def s3_endpoint():
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
-
-
 @pytest.fixture(params=["local", "s3"])
 def store(request, tmp_path, monkeypatch):
     monkeypatch.setattr(sync.store, "CHUNK_BYTES", 1000)  # many chunks from small files

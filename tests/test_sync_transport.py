@@ -33,17 +33,6 @@ from sync.transport import publish_new, ship
 REPO = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(scope="module")
-def s3_endpoint():
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
-
-
 def local_store(tmp_path: Path):
     return open_store(LocalDeltaStore(), tmp_path, retries=2)
 
