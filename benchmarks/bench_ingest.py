@@ -23,7 +23,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from liverl.settings import Settings
-from liverl.stack import read_manifest, up
+from liverl.stack import down, read_manifest, up
 
 console = Console()
 
@@ -96,12 +96,17 @@ def visibility(settings: Settings, key: str, samples: int) -> dict:
 
 def main(seconds: float = 30.0, concurrency: int = 8, batch_size: int = 100, visibility_samples: int = 40) -> None:
     settings = Settings()
-    if read_manifest(settings) is None:
+    started_here = read_manifest(settings) is None
+    if started_here:
         up(settings, say=console.print)
-    key = json.loads((settings.data_dir / "dev-keys.json").read_text())["tenant_key"]
-    console.print(f"sending batches of {batch_size} for {seconds:.0f} s from {concurrency} clients")
-    result = asyncio.run(throughput(settings.url(settings.ports.api), key, seconds, concurrency, batch_size))
-    result.update({f"visible_{k}": v for k, v in visibility(settings, key, visibility_samples).items()})
+    try:
+        key = json.loads((settings.data_dir / "dev-keys.json").read_text())["tenant_key"]
+        console.print(f"sending batches of {batch_size} for {seconds:.0f} s from {concurrency} clients")
+        result = asyncio.run(throughput(settings.url(settings.ports.api), key, seconds, concurrency, batch_size))
+        result.update({f"visible_{k}": v for k, v in visibility(settings, key, visibility_samples).items()})
+    finally:
+        if started_here:
+            down(settings, say=console.print, force=True)
     table = Table(title="ingest benchmark")
     for k in result:
         table.add_column(k)
