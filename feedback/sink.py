@@ -163,7 +163,8 @@ class Sink:
             rows.setdefault(row["event_id"], row)
         if not rows:
             return
-        fresh = [r for i, r in rows.items() if i not in self._stored_ids(table, list(rows))]
+        stored = self._stored_ids(table, list(rows))
+        fresh = [r for i, r in rows.items() if i not in stored]
         if fresh:
             self.warehouse.insert(table, fresh)
         ROWS.labels(table, "stored").inc(len(fresh))

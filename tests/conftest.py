@@ -36,7 +36,8 @@ def settings(tmp_path_factory: pytest.TempPathFactory, starter_dir: Path) -> Set
                           replica_base=28100),
         broker=EmbeddedBroker(port=29092),
         starter=StarterPolicyConfig(model_dir=starter_dir),
-        serving=ServingConfig(replicas=1, kv_cache_gib=1),
+        # Two replicas: swaps roll out canary first, and one serves while the other swaps.
+        serving=ServingConfig(replicas=2, kv_cache_gib=1),
         feedback=FeedbackConfig(reward_window_s=6.0, sweep_interval_s=1.0),
         learner=LearnerConfig(batch_samples=32, min_samples=1, max_version_lag=3, lr=3e-4,
                               auto_promote=True, gate_min_ess=1.0, gate_margin=1.0),

@@ -139,6 +139,7 @@ def test_swap_under_load_drops_no_request(settings, dev_keys, paused_learner):
     target = registry.latest()
     if read_pool(settings).replicas[0].policy_version == target.version:
         target = registry.get(target.parent)
+    assert len(read_pool(settings).replicas) >= 2, "the test stack runs several replicas"
     statuses: list[int] = []
     stop = threading.Event()
 
@@ -164,8 +165,11 @@ def test_swap_under_load_drops_no_request(settings, dev_keys, paused_learner):
     assert result.state == "stable"
     assert set(statuses) == {200}
     assert all(r.policy_version == target.version for r in read_pool(settings).replicas)
-    swap = registry.get(target.version).metrics["swaps"][0]
-    assert swap["ok"] and swap["max_logprob_diff"] <= settings.learner.probe_tolerance
+    swaps = registry.get(target.version).metrics["swaps"]
+    assert [s["replica"] for s in swaps] == [r.name for r in read_pool(settings).replicas]  # canary first
+    for swap in swaps:
+        assert swap["ok"] and swap["max_logprob_diff"] <= settings.learner.probe_tolerance
+        assert 0 < swap["load_s"] <= swap["pause_s"]  # the serving pause is measured per replica
 
 
 def test_corrupted_version_fails_verification_and_is_reverted(settings, paused_learner):
@@ -186,7 +190,9 @@ def test_corrupted_version_fails_verification_and_is_reverted(settings, paused_l
     assert result.state == "rolled_back"
     swap = registry.get(corrupt.version).metrics["swaps"][0]
     assert not swap["ok"] and swap["reverted"] and "probe logprobs differ" in swap["error"]
-    assert read_pool(settings).replicas[0].policy_version == serving.policy_version
+    # The canary failed, so no replica ever got to serve the corrupted version.
+    assert {r.policy_version for r in read_pool(settings).replicas} == {serving.policy_version}
+    assert len(registry.get(corrupt.version).metrics["swaps"]) == 1
     history = registry.history(corrupt.version)
     assert [h["to"] for h in history] == ["candidate", "canary", "rolled_back"]
 
