@@ -99,11 +99,11 @@ class KeyStore:
 
 
 # --- FastAPI dependencies -----------------------------------------------------------
-def key_store(request: Request) -> KeyStore:
+async def key_store(request: Request) -> KeyStore:
     return request.app.state.keys
 
 
-def require_key(
+async def require_key(
     authorization: str | None = Header(None), store: KeyStore = Depends(key_store)
 ) -> KeyRecord:
     """The caller's key record; 401 naming what is wrong otherwise."""
@@ -115,7 +115,7 @@ def require_key(
     return record
 
 
-def require_admin(record: KeyRecord = Depends(require_key)) -> KeyRecord:
+async def require_admin(record: KeyRecord = Depends(require_key)) -> KeyRecord:
     if record.role != "admin":
         raise HTTPException(403, "this endpoint needs an admin key")
     return record

@@ -97,11 +97,17 @@ def same_weights(a: Path, b: Path) -> bool:
         left[n].dtype == right[n].dtype and np.array_equal(bits(left[n]), bits(right[n])) for n in left)
 
 
-def test_chain_apply_is_bit_exact(store, tmp_path):
+def replica_on_v0(tmp_path: Path, store, snapshot_every: int = 100) -> tuple[Lineage, ReplicaSync]:
+    """A lineage whose v0 is published, and a replica that staged it."""
     lineage = Lineage(tmp_path)
-    lineage.publish(store)
+    lineage.publish(store, snapshot_every=snapshot_every)
     replica = ReplicaSync(tmp_path / "replicas" / "r0", store)
-    replica.stage("v0")  # from the snapshot: an empty store starts with one
+    replica.stage("v0")
+    return lineage, replica
+
+
+def test_chain_apply_is_bit_exact(store, tmp_path):
+    lineage, replica = replica_on_v0(tmp_path, store)  # from the snapshot: an empty store starts with one
     replica.commit("v0")
     for _ in range(3):
         lineage.add()
@@ -126,10 +132,7 @@ def test_chain_apply_is_bit_exact(store, tmp_path):
 
 def test_far_behind_takes_the_smaller_of_chain_and_snapshot(tmp_path):
     store = local_store(tmp_path)
-    lineage = Lineage(tmp_path)
-    lineage.publish(store, snapshot_every=3)
-    replica = ReplicaSync(tmp_path / "replicas" / "r0", store)
-    replica.stage("v0")
+    lineage, replica = replica_on_v0(tmp_path, store, snapshot_every=3)
     for change in ("random", "random", "random", "sparse"):  # v1-v3: large deltas; v3: a snapshot too
         lineage.add(change)
         lineage.publish(store, snapshot_every=3)
@@ -181,10 +184,7 @@ def test_plan_weighs_chain_against_snapshot():
 def test_corrupted_chunk_is_fetched_again(tmp_path, monkeypatch):
     monkeypatch.setattr(sync.store, "CHUNK_BYTES", 1024)
     store = local_store(tmp_path)
-    lineage = Lineage(tmp_path)
-    lineage.publish(store)
-    replica = ReplicaSync(tmp_path / "replicas" / "r0", store)
-    replica.stage("v0")
+    lineage, replica = replica_on_v0(tmp_path, store)
     lineage.add()
     lineage.publish(store)
     fetches: list[int] = []
@@ -207,10 +207,7 @@ def test_corrupted_chunk_is_fetched_again(tmp_path, monkeypatch):
 def test_corruption_at_rest_leaves_the_old_version(tmp_path, monkeypatch):
     monkeypatch.setattr(sync.store, "CHUNK_BYTES", 1024)
     store = local_store(tmp_path)
-    lineage = Lineage(tmp_path)
-    lineage.publish(store)
-    replica = ReplicaSync(tmp_path / "replicas" / "r0", store)
-    replica.stage("v0")
+    lineage, replica = replica_on_v0(tmp_path, store)
     lineage.add()
     lineage.publish(store)
     stored = tmp_path / "deltas" / "deltas" / "v1.delta"
@@ -237,10 +234,7 @@ ReplicaSync(root / "replicas" / "r0", open_store(LocalDeltaStore(), root)).stage
 @pytest.mark.parametrize("fault", ["sync.apply_step", "sync.before_rename"])
 def test_killed_mid_apply_leaves_old_version_and_no_partial_new(tmp_path, fault):
     store = local_store(tmp_path)
-    lineage = Lineage(tmp_path)
-    lineage.publish(store)
-    replica = ReplicaSync(tmp_path / "replicas" / "r0", store)
-    replica.stage("v0")
+    lineage, replica = replica_on_v0(tmp_path, store)
     replica.commit("v0")
     lineage.add(), lineage.add()
     lineage.publish(store)
@@ -374,10 +368,7 @@ def test_retention_keeps_the_delta_from_a_held_version_the_store_has_no_record_o
 
 def test_a_damaged_local_base_is_marked_dirty_and_a_snapshot_is_used(tmp_path):
     store = local_store(tmp_path)
-    lineage = Lineage(tmp_path)
-    lineage.publish(store, snapshot_every=1)
-    replica = ReplicaSync(tmp_path / "replicas" / "r0", store)
-    replica.stage("v0")
+    lineage, replica = replica_on_v0(tmp_path, store, snapshot_every=1)
     replica.commit("v0")
     lineage.add()
     lineage.publish(store, snapshot_every=1)
