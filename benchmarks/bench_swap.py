@@ -26,7 +26,7 @@ from liverl.demo import Population, demo_settings
 from liverl.stack import down, drain, up
 from policies.registry import Registry
 
-console = Console()
+console = Console(width=160)  # the swaps table whole, also when written to a file
 
 STATUS_SQL = "SELECT status, count() AS n FROM requests GROUP BY status ORDER BY status"
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -74,16 +75,19 @@ class SwapReport(BaseModel):
 def probe_diff(url: str, model_dir: Path) -> float:
     """Max |served - trainer| logprob over the version's probe tokens."""
     probes = json.loads((model_dir / PROBE_FILE).read_text())["probes"]
-    worst = 0.0
-    for probe in probes:
+
+    def worst_of(probe: dict) -> float:
         response = httpx.post(url + "/v1/completions", timeout=60, json={
             "model": SERVED_MODEL_NAME, "prompt": probe["token_ids"], "max_tokens": 1,
             "temperature": 0, "prompt_logprobs": 0})
         response.raise_for_status()
         served = response.json()["choices"][0]["prompt_logprobs"][1:]
-        for token, expected, entry in zip(probe["token_ids"][1:], probe["logprobs"], served):
-            worst = max(worst, abs(entry[str(token)]["logprob"] - expected))
-    return worst
+        return max(abs(entry[str(token)]["logprob"] - expected)
+                   for token, expected, entry in zip(probe["token_ids"][1:], probe["logprobs"], served))
+
+    # All at once: the engine batches them, which shortens the time out of rotation.
+    with ThreadPoolExecutor(len(probes)) as pool:
+        return max(pool.map(worst_of, probes))
 
 
 def verify(url: str, model_dir: Path, tolerance: float) -> float:
