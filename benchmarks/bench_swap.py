@@ -13,6 +13,7 @@ gateway's request outcomes from ClickHouse over the whole run.
 from __future__ import annotations
 
 import json
+import shutil
 import statistics
 import time
 
@@ -43,6 +44,7 @@ def main(replicas: int = 2, minutes: float = 4.0, users: int = 4, seed: int = 0)
     settings = demo_settings()
     settings.data_dir = settings.data_dir.parent / "bench-swap"
     settings.serving.replicas = replicas
+    shutil.rmtree(settings.data_dir, ignore_errors=True)  # each run from the starter, comparable
     up(settings, say=console.print)
     try:
         keys = json.loads((settings.data_dir / "dev-keys.json").read_text())
