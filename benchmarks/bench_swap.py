@@ -7,7 +7,9 @@ demo's simulated users against the gateway (their feedback makes the learner pub
 and promote versions), then reports every swap from the policy registry: transport,
 bytes fetched against the weights' size, fetch/decode time, engine pause (vLLM paused
 while the weights load), time out of rotation (pause + verification), and the
-gateway's request outcomes from ClickHouse over the whole run.
+gateway's request outcomes from ClickHouse over the whole run. Then, with the users
+gone and the learner paused, swaps each replica back and forth between the stable
+version and its parent: the same figures without contention.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import json
 import shutil
 import statistics
 import time
+from pathlib import Path
 
 import httpx
 import typer
@@ -24,8 +27,11 @@ from rich.progress import Progress
 from rich.table import Table
 
 from liverl.demo import Population, demo_settings
+from liverl.settings import Settings
 from liverl.stack import down, drain, up
 from policies.registry import Registry
+from serving.replicas import read_pool
+from serving.swap import replace_replica
 
 console = Console(width=160)  # the swaps table whole, also when written to a file
 
@@ -40,7 +46,37 @@ def swaps_table(registry: Registry) -> list[dict]:
     return rows
 
 
-def main(replicas: int = 2, minutes: float = 4.0, users: int = 4, seed: int = 0) -> None:
+def idle_swaps(settings: Settings, rounds: int) -> list[dict]:
+    """The floor without load: learner paused, no traffic, each replica swapped between
+    the stable version and its parent, `rounds` times each way, through the same code."""
+    learner = settings.url(settings.ports.learner)
+    httpx.post(learner + "/pause", timeout=10).raise_for_status()
+    while httpx.get(learner + "/health", timeout=10).json()["promoting"]:
+        time.sleep(1)
+    registry = Registry(settings.policies_dir)
+    stable = registry.stable()
+    if stable is None or stable.parent is None:
+        return []
+    parent = registry.get(stable.parent)
+    reports = []
+    for _ in range(rounds):
+        for version in (parent, stable):
+            for replica in read_pool(settings).replicas:
+                report = replace_replica(settings, replica.name, version.version, Path(version.model_dir))
+                reports.append({"version": version.version, **report.model_dump()})
+    return reports
+
+
+def summarize(swaps: list[dict]) -> dict:
+    ok = [s for s in swaps if s["ok"]]
+    return {"swaps": len(swaps), "swaps_ok": len(ok),
+            **{f"{k}_median": statistics.median(s[k] for s in ok) for k in ("fetch_s", "decode_s", "load_s",
+                                                                            "verify_s", "pause_s")},
+            **{f"{k}_min": min(s[k] for s in ok) for k in ("load_s", "pause_s")},
+            **{f"{k}_max": max(s[k] for s in ok) for k in ("load_s", "pause_s")}}
+
+
+def main(replicas: int = 2, minutes: float = 4.0, users: int = 4, seed: int = 0, idle_rounds: int = 3) -> None:
     settings = demo_settings()
     settings.data_dir = settings.data_dir.parent / "bench-swap"
     settings.serving.replicas = replicas
@@ -60,6 +96,7 @@ def main(replicas: int = 2, minutes: float = 4.0, users: int = 4, seed: int = 0)
         statuses = json.loads(httpx.post(settings.url(settings.ports.sink) + "/sql", timeout=60, json={
             "sql": STATUS_SQL, "format": "json"}).text)["data"]
         swaps = swaps_table(Registry(settings.policies_dir))
+        idle = idle_swaps(settings, rounds=idle_rounds)
     finally:
         down(settings, say=console.print, force=True)
 
@@ -76,7 +113,7 @@ def main(replicas: int = 2, minutes: float = 4.0, users: int = 4, seed: int = 0)
         raise SystemExit("no version was promoted: run longer (--minutes)")
     delta = [s for s in ok if s["transport"] == "delta"]
     result = {
-        "replicas": replicas, "minutes": minutes, "swaps": len(swaps), "swaps_ok": len(ok),
+        "replicas": replicas, "minutes": minutes,
         "versions_on_every_replica": sum(1 for v in {s["version"] for s in ok}
                                          if sum(s["version"] == v for s in ok) == replicas),
         "request_statuses": {str(r["status"]): int(r["n"]) for r in statuses},
@@ -84,9 +121,8 @@ def main(replicas: int = 2, minutes: float = 4.0, users: int = 4, seed: int = 0)
         "delta_swaps": len(delta),
         "median_fetched_over_weights": statistics.median(s["fetched_bytes"] / s["weights_bytes"] for s in delta)
         if delta else None,
-        **{f"{k}_median": statistics.median(s[k] for s in ok) for k in ("fetch_s", "decode_s", "load_s",
-                                                                        "verify_s", "pause_s")},
-        **{f"{k}_max": max(s[k] for s in ok) for k in ("load_s", "pause_s")},
+        "under_load": summarize(swaps),
+        "idle": summarize(idle) if idle else None,
     }
     console.print_json(json.dumps(result))
 
