@@ -93,8 +93,9 @@ def main(replicas: int = 2, minutes: float = 4.0, users: int = 4, seed: int = 0,
                 bar.update(task, completed=elapsed)
         population.stop(threads)
         drain(settings, settings.drain_timeout_s, say=lambda _: None)
-        statuses = json.loads(httpx.post(settings.url(settings.ports.sink) + "/sql", timeout=60, json={
-            "sql": STATUS_SQL, "format": "json"}).text)["data"]
+        response = httpx.post(settings.url(settings.ports.sink) + "/sql", timeout=60,
+                              json={"sql": STATUS_SQL, "format": "json"})
+        statuses = json.loads(response.raise_for_status().text)["data"]
         swaps = swaps_table(Registry(settings.policies_dir))
         idle = idle_swaps(settings, rounds=idle_rounds)
     finally:
@@ -122,7 +123,7 @@ def main(replicas: int = 2, minutes: float = 4.0, users: int = 4, seed: int = 0,
         "median_fetched_over_weights": statistics.median(s["fetched_bytes"] / s["weights_bytes"] for s in delta)
         if delta else None,
         "under_load": summarize(swaps),
-        "idle": summarize(idle) if idle else None,
+        "idle": summarize(idle) if any(s["ok"] for s in idle) else None,
     }
     console.print_json(json.dumps(result))
 

@@ -15,6 +15,7 @@ from prometheus_client import Counter, Histogram
 from pydantic import BaseModel, ValidationError
 
 from ingest.schemas import IngestItem, IngestResponse, ItemError, ItemResult, describe, to_event
+from liverl.contracts import Id
 from liverl.keys import KeyRecord, KeyStore, Role, require_admin, require_key
 from liverl.kafka import encode, make_producer, send_many
 from liverl.observability import log, mount_metrics, setup_logging
@@ -42,12 +43,6 @@ class RecentIds:
         self._ids[key] = None
         if len(self._ids) > self.capacity:
             self._ids.popitem(last=False)
-
-
-def compact_json(value: object) -> bytes:
-    """An item's size as the limit counts it: compact UTF-8 JSON, at most about the bytes
-    the client sent for it (so a body under the limit needs no measuring)."""
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -94,14 +89,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         outcomes: collections.Counter[tuple[str, str]] = collections.Counter()
         sends: list[tuple[int, tuple[str, bytes, bytes], tuple[str, str], str]] = []
         in_batch: set[str] = set()
-        # No item can be over the limit when the whole body is not: skip measuring each.
-        measure = len(raw) > limits.max_item_bytes
         for index, raw_item in enumerate(items):
             item_id = raw_item.get("id") if isinstance(raw_item, dict) else None
             item_id = item_id if isinstance(item_id, str) else None
             try:
-                if measure and len(compact_json(raw_item)) > limits.max_item_bytes:
-                    raise ItemError(f"item is larger than {limits.max_item_bytes} bytes")
                 try:
                     item = IngestItem.model_validate(raw_item)
                 except ValidationError as error:
@@ -112,6 +103,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                     outcomes[item.type, "duplicate"] += 1
                     continue
                 topic, partition_key, event = to_event(item, key.tenant)
+                value = encode(event)
+                if len(value) > limits.max_item_bytes:
+                    raise ItemError(f"item is larger than {limits.max_item_bytes} bytes as an event")
             except ItemError as error:
                 status = 413 if "larger than" in str(error) else 400
                 results.append(ItemResult(id=item_id, status=status, error=str(error)))
@@ -119,22 +113,24 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 continue
             in_batch.add(item.id)
             results.append(ItemResult(id=item.id, status=201))
-            sends.append((len(results) - 1, (topic, partition_key.encode(), encode(event)), seen_key, item.type))
+            sends.append((len(results) - 1, (topic, partition_key.encode(), value), seen_key, item.type))
 
         # Acknowledge only what the broker acknowledged (acks=all).
-        futures = await send_many(request.app.state.producer, [m for _, m, _, _ in sends])
-        acks = await asyncio.gather(*futures, return_exceptions=True)
-        for (index, _, seen_key, item_type), ack in zip(sends, acks):
-            if isinstance(ack, BaseException):
-                results[index] = ItemResult(
-                    id=results[index].id, status=503, error=f"broker did not acknowledge: {ack}"
-                )
-                outcomes[item_type, "unacknowledged"] += 1
-            else:
-                request.app.state.recent.add(seen_key)
-                outcomes[item_type, "accepted"] += 1
-        for (item_type, outcome), n in outcomes.items():
-            ITEMS.labels(item_type, outcome).inc(n)
+        try:
+            futures = await send_many(request.app.state.producer, [m for _, m, _, _ in sends])
+            acks = await asyncio.gather(*futures, return_exceptions=True)
+            for (index, _, seen_key, item_type), ack in zip(sends, acks):
+                if isinstance(ack, BaseException):
+                    results[index] = ItemResult(
+                        id=results[index].id, status=503, error=f"broker did not acknowledge: {ack}"
+                    )
+                    outcomes[item_type, "unacknowledged"] += 1
+                else:
+                    request.app.state.recent.add(seen_key)
+                    outcomes[item_type, "accepted"] += 1
+        finally:
+            for (item_type, outcome), n in outcomes.items():
+                ITEMS.labels(item_type, outcome).inc(n)
         accepted = sum(r.status < 300 for r in results)
         BATCH_SECONDS.observe(time.perf_counter() - started)
         body = IngestResponse(accepted=accepted, rejected=len(results) - accepted, results=results)
@@ -142,7 +138,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     # --- admin: keys --------------------------------------------------------------------
     class KeyRequest(BaseModel):
-        tenant: str
+        tenant: Id
         role: Role = "tenant"
         label: str = ""
 

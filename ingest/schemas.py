@@ -82,6 +82,7 @@ def to_event(item: IngestItem, tenant: str) -> tuple[str, str, BaseModel]:
             body = model.model_validate(item.body)
     except ValidationError as error:
         raise ItemError(describe(error, "body")) from None
-    # Every field is validated already (item, tenant from its key, body): no second pass.
+    # Every field is validated already (the item, the body, the tenant when its key was
+    # created): no second pass.
     event = FeedbackEvent.model_construct(event_id=item.id, tenant=tenant, timestamp=item.timestamp, body=body)
     return Topics.FEEDBACK, body.completion_id, event

@@ -99,10 +99,15 @@ def status(data_dir: Optional[Path] = DataDir, as_json: bool = typer.Option(Fals
 def keys_create(tenant: str, admin: bool = typer.Option(False, help="An admin key."),
                 label: str = "", data_dir: Optional[Path] = DataDir) -> None:
     """Create a key; it is printed once and stored only as a hash."""
+    from pydantic import ValidationError
+
     from liverl.keys import KeyStore
 
-    key, record = KeyStore(settings_from(data_dir).keys_file).create(
-        tenant, "admin" if admin else "tenant", label)
+    try:
+        key, record = KeyStore(settings_from(data_dir).keys_file).create(
+            tenant, "admin" if admin else "tenant", label)
+    except ValidationError as error:
+        fail(f"tenant {tenant!r}: {error.errors()[0]['msg']} (it is stamped on events as an id)")
     console.print(f"key id {record.key_id} for tenant {tenant}:\n{key}")
 
 

@@ -65,7 +65,7 @@ async def send_many(producer: AIOKafkaProducer,
     time and times concurrent callers out.)
     """
     hashes = (murmur2_many([key for _, key, _ in messages]) & np.uint32(0x7FFFFFFF)).tolist()
-    partitions = {topic: sorted(await producer.partitions_for(topic)) for topic, _, _ in messages}
+    partitions = {topic: sorted(await producer.partitions_for(topic)) for topic in {t for t, _, _ in messages}}
     return [await producer.send(topic, value, key=key, partition=partitions[topic][h % len(partitions[topic])])
             for (topic, key, value), h in zip(messages, hashes)]
 

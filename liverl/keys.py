@@ -16,14 +16,16 @@ from pathlib import Path
 from typing import Literal
 
 from fastapi import Depends, Header, HTTPException, Request
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
+
+from liverl.contracts import Id
 
 Role = Literal["tenant", "admin"]
 
 
 class KeyRecord(BaseModel):
     key_id: str
-    tenant: str
+    tenant: Id = Field(description="Stamped on every event the key writes, so it is an event id too.")
     role: Role
     created_at: datetime
     revoked_at: datetime | None = None

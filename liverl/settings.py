@@ -150,7 +150,7 @@ class FeedbackConfig(BaseModel):
 
 class IngestConfig(BaseModel):
     max_batch_items: int = Field(1000, description="Most items accepted in one ingestion batch.")
-    max_item_bytes: int = Field(64 * 1024, description="Largest accepted item, in compact UTF-8 JSON bytes.")
+    max_item_bytes: int = Field(64 * 1024, description="Largest accepted item, in JSON bytes of the event written to Kafka.")
     max_body_bytes: int = Field(16 * 1024 * 1024, description="Largest request body accepted.")
 
 

@@ -82,12 +82,13 @@ def probe_diff(url: str, model_dir: Path) -> float:
             "temperature": 0, "prompt_logprobs": 0})
         response.raise_for_status()
         served = response.json()["choices"][0]["prompt_logprobs"][1:]
-        return max(abs(entry[str(token)]["logprob"] - expected)
-                   for token, expected, entry in zip(probe["token_ids"][1:], probe["logprobs"], served))
+        return max((abs(entry[str(token)]["logprob"] - expected)
+                    for token, expected, entry in zip(probe["token_ids"][1:], probe["logprobs"], served)),
+                   default=0.0)
 
     # All at once: the engine batches them, which shortens the time out of rotation.
-    with ThreadPoolExecutor(len(probes)) as pool:
-        return max(pool.map(worst_of, probes))
+    with ThreadPoolExecutor(max(len(probes), 1)) as pool:
+        return max(pool.map(worst_of, probes), default=0.0)
 
 
 def verify(url: str, model_dir: Path, tolerance: float) -> float:

