@@ -86,7 +86,7 @@ def probe_diff(url: str, model_dir: Path) -> float:
                     for token, expected, entry in zip(probe["token_ids"][1:], probe["logprobs"], served)),
                    default=0.0)
 
-    # All at once: the engine batches them, which shortens the time out of rotation.
+    # All at once, so the engine can batch them while the replica is out of rotation.
     with ThreadPoolExecutor(max(len(probes), 1)) as pool:
         return max(pool.map(worst_of, probes), default=0.0)
 
