@@ -181,12 +181,19 @@ def test_plan_weighs_chain_against_snapshot():
         plan(records, set(), "v9")
 
 
-def test_corrupted_chunk_is_fetched_again(tmp_path, monkeypatch):
+@pytest.fixture()
+def v1_in_small_chunks(tmp_path, monkeypatch):
+    """A replica on v0 and v1 published in 1 KiB chunks, so a delta spans several."""
     monkeypatch.setattr(sync.store, "CHUNK_BYTES", 1024)
     store = local_store(tmp_path)
     lineage, replica = replica_on_v0(tmp_path, store)
     lineage.add()
     lineage.publish(store)
+    return store, lineage, replica
+
+
+def test_corrupted_chunk_is_fetched_again(v1_in_small_chunks, monkeypatch):
+    store, lineage, replica = v1_in_small_chunks
     fetches: list[int] = []
     real = store._get_range
 
@@ -204,12 +211,8 @@ def test_corrupted_chunk_is_fetched_again(tmp_path, monkeypatch):
     assert same_weights(path, lineage.dir("v1"))
 
 
-def test_corruption_at_rest_leaves_the_old_version(tmp_path, monkeypatch):
-    monkeypatch.setattr(sync.store, "CHUNK_BYTES", 1024)
-    store = local_store(tmp_path)
-    lineage, replica = replica_on_v0(tmp_path, store)
-    lineage.add()
-    lineage.publish(store)
+def test_corruption_at_rest_leaves_the_old_version(v1_in_small_chunks, tmp_path):
+    _, lineage, replica = v1_in_small_chunks
     stored = tmp_path / "deltas" / "deltas" / "v1.delta"
     data = bytearray(stored.read_bytes())
     data[1500] ^= 0xFF
