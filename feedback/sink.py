@@ -22,7 +22,7 @@ from fastapi.responses import PlainTextResponse
 from prometheus_client import Counter, Gauge
 from pydantic import BaseModel, ValidationError
 
-from feedback.warehouse import FORMATS, ReadOnlyViolation, Warehouse, check_read_only, open_warehouse
+from feedback.warehouse import FORMATS, ReadOnlyViolation, Warehouse, check_read_only, open_warehouse, query_json
 from liverl.contracts import (
     DeadLetter,
     FeedbackEvent,
@@ -104,14 +104,12 @@ class Sink:
 
     def _stored_ids(self, table: str, ids: list[str]) -> set[str]:
         quoted = ",".join("'" + i.replace("\\", "\\\\").replace("'", "\\'") + "'" for i in ids)
-        rows = json.loads(self.warehouse.query(
-            f"SELECT event_id FROM {table} WHERE event_id IN ({quoted})", "JSON"))["data"]
+        rows = query_json(self.warehouse, f"SELECT event_id FROM {table} WHERE event_id IN ({quoted})")
         return {r["event_id"] for r in rows}
 
     def _previous_revision(self, sample_id: str, revision: int) -> dict | None:
-        rows = json.loads(self.warehouse.query(
-            f"SELECT reward, accepted FROM samples WHERE sample_id = '{sample_id}' "
-            f"AND revision < {revision} ORDER BY revision DESC LIMIT 1", "JSON"))["data"]
+        rows = query_json(self.warehouse, f"SELECT reward, accepted FROM samples WHERE sample_id = '{sample_id}' "
+                                          f"AND revision < {revision} ORDER BY revision DESC LIMIT 1")
         return rows[0] if rows else None
 
     def sample_row(self, s: RewardedSample) -> dict:

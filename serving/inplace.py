@@ -27,11 +27,8 @@ the call.
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import os
 import time
-from typing import Any
 
 
 @contextlib.contextmanager
@@ -77,52 +74,21 @@ def _checkpoint_layout(path: str) -> dict[str, list[int]]:
     return layout
 
 
-def _checkpoint_digest(path: str) -> tuple[str, int]:
-    """sha256 over (name, dtype, shape, bytes) of every tensor, sorted by name."""
-    import torch
-    from safetensors import safe_open
-
-    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-    h = hashlib.sha256()
-    entries = []
-    for f in files:
-        with safe_open(os.path.join(path, f), framework="pt") as st:
-            for name in st.keys():
-                entries.append((name, f))
-    entries.sort()
-    handles: dict[str, Any] = {}
-    try:
-        for name, f in entries:
-            if f not in handles:
-                handles[f] = safe_open(os.path.join(path, f), framework="pt").__enter__()
-            t = handles[f].get_tensor(name).contiguous()
-            h.update(json.dumps([name, str(t.dtype), list(t.shape)]).encode())
-            h.update(t.view(-1).view(torch.uint8).numpy().tobytes())
-    finally:
-        for hd in handles.values():
-            hd.__exit__(None, None, None)
-    return h.hexdigest(), len(entries)
-
-
 class InplaceWeightsExtension:
     """Mixed into vLLM's worker class (``--worker-extension-cls``); methods are
     callable through ``POST /collective_rpc``."""
 
-    def inplace_load_weights_from_dir(
-        self, path: str, allow_partial: bool = False, digest: bool = True
-    ) -> dict:
+    def inplace_load_weights_from_dir(self, path: str) -> dict:
         """Load a same-architecture HF safetensors checkpoint from ``path``
         into the running model in place, with CPU MoE repacking.
 
-        By default ``path`` must hold a *full* checkpoint: the same tensor
-        names and shapes as the checkpoint the replica was started from
-        (checked from the safetensors headers before anything is touched).
-        A partial directory is only correct when every fused vLLM module it
-        touches is complete (all of q/k/v for qkv_proj, gate+up, *every*
-        expert of a layer's MoE): the layerwise reloader materializes a
-        touched module with uninitialized storage and fills only what is
-        loaded.  ``allow_partial=True`` skips the check; the caller owns that
-        invariant.
+        ``path`` must hold a *full* checkpoint: the same tensor names and
+        shapes as the checkpoint the replica was started from (checked from
+        the safetensors headers before anything is touched).  A partial one
+        is wrong: the layerwise reloader materializes a touched fused module
+        with uninitialized storage and fills only what is loaded.  Nothing is
+        hashed here, while the engine is paused: the swap verified the
+        staged directory before the commit and checks the probe after it.
 
         The RPC runs in the worker between engine steps.  Bracket it with
         ``POST /pause?mode=keep`` ... ``POST /reset_prefix_cache?reset_running_requests=true``
@@ -139,7 +105,7 @@ class InplaceWeightsExtension:
             # rewrites model_config.model)
             ref = _checkpoint_layout(self.vllm_config.model_config.model)
             self._inplace_ref_layout = ref
-        if not allow_partial and layout != ref:
+        if layout != ref:
             missing = sorted(set(ref) - set(layout))
             extra = sorted(set(layout) - set(ref))
             shape = sorted(k for k in set(ref) & set(layout) if ref[k] != layout[k])
@@ -151,43 +117,10 @@ class InplaceWeightsExtension:
         with _prepack_on_weight_update() as repacked:
             # same entry point as /collective_rpc reload_weights
             self.reload_weights(weights_path=path, is_checkpoint_format=True)
-        t1 = time.perf_counter()
-        sha, n = _checkpoint_digest(path) if digest else (None, len(layout))
-        t2 = time.perf_counter()
         return {
             "path": path,
             "moe_layers_repacked": len(repacked),
             "moe_experts_cls": sorted(set(repacked)),
-            "tensors": n,
-            "partial": layout != ref,
-            "sha256": sha,
-            "load_s": round(t1 - t0, 4),
-            "digest_s": round(t2 - t1, 4),
+            "tensors": len(layout),
+            "load_s": round(time.perf_counter() - t0, 4),
         }
-
-    def inplace_describe(self) -> dict:
-        """Diagnostics: which layers carry CPU kernel state derived from weights."""
-        model = self.model_runner.get_model()
-        out: dict[str, Any] = {"moe": [], "cpu_linear": {}, "worker": type(self).__name__}
-        for name, mod in model.named_modules():
-            qm = getattr(mod, "quant_method", None)
-            mk = getattr(qm, "moe_kernel", None)
-            if mk is not None:
-                out["moe"].append(
-                    {
-                        "name": name,
-                        "experts": type(mk.fused_experts).__name__,
-                        "isa": getattr(mk.fused_experts, "isa", None),
-                        "w13": list(mod.w13_weight.shape),
-                        "w2": list(mod.w2_weight.shape),
-                        "dtype": str(mod.w13_weight.dtype),
-                    }
-                )
-            if hasattr(mod, "cpu_linear"):
-                w = getattr(mod, "weight", None)
-                out["cpu_linear"][name] = [
-                    type(mod).__name__,
-                    list(w.shape) if w is not None else None,
-                    getattr(mod.cpu_linear, "__qualname__", str(mod.cpu_linear)),
-                ]
-        return out
