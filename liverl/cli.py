@@ -28,7 +28,7 @@ console = Console()
 def settings_from(data_dir: Optional[Path]) -> Settings:
     from liverl.stack import running_settings
 
-    return running_settings(Settings(data_dir=data_dir) if data_dir else Settings())
+    return running_settings(data_dir)
 
 
 DataDir = typer.Option(None, "--data-dir", envvar="LIVERL_DATA_DIR", help="State directory.")

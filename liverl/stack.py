@@ -87,9 +87,11 @@ def settings_file(settings: Settings) -> Path:
     return settings.run_dir / "settings.json"
 
 
-def running_settings(settings: Settings) -> Settings:
-    """The settings the stack in settings.data_dir runs with, if one runs there: commands
-    from any shell then reach its ports and broker whatever their own environment says."""
+def running_settings(data_dir: Path | None = None) -> Settings:
+    """The settings the stack in `data_dir` (default: the configured one) runs with, if one
+    runs there: commands from any shell then reach its ports and broker whatever their own
+    environment says."""
+    settings = Settings(data_dir=data_dir) if data_dir else Settings()
     if manifest_file(settings).exists() and settings_file(settings).exists():
         return Settings.model_validate_json(settings_file(settings).read_text())
     return settings

@@ -14,7 +14,6 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
-from liverl.settings import Settings
 from sync.checkpoint import Checkpoint
 from sync.delta import DeltaError, DeltaManifest, apply_delta_dir, encode_delta, read_manifest
 
@@ -116,22 +115,16 @@ def _errors():
 DataDir = typer.Option(None, "--data-dir", envvar="LIVERL_DATA_DIR", help="State directory.")
 
 
-def _settings(data_dir: Optional[Path]) -> Settings:
-    """The running stack's settings where one runs there (its delta store, its sync policy)."""
-    from liverl.stack import running_settings
-
-    return running_settings(Settings(data_dir=data_dir) if data_dir else Settings())
-
-
 @sync_app.command("status")
 def sync_status(data_dir: Optional[Path] = DataDir) -> None:
     """Each replica's version, what is pending, bytes shipped and the ratio achieved;
     then what the delta store holds."""
+    from liverl.stack import running_settings
     from serving.replicas import read_pool
     from sync.records import read_records, sync_store
     from sync.replica import replica_states
 
-    settings = _settings(data_dir)
+    settings = running_settings(data_dir)
     states = replica_states(settings)
     pool = {r.name: r for r in read_pool(settings).replicas}
     table = Table(title=f"replicas (transport: {settings.sync.transport})")
@@ -164,11 +157,12 @@ def sync_status(data_dir: Optional[Path] = DataDir) -> None:
 def sync_gc(data_dir: Optional[Path] = DataDir) -> None:
     """Remove store objects older than `sync.keep_versions` that no replica, alias or
     rollback target needs."""
+    from liverl.stack import running_settings
     from policies.registry import Registry
     from sync.records import sync_store
     from sync.retention import collect_garbage
 
-    settings = _settings(data_dir)
+    settings = running_settings(data_dir)
     result = collect_garbage(settings, sync_store(settings), Registry(settings.policies_dir))
     console.print(f"kept {len(result.kept)} versions ({', '.join(result.kept) or 'none'}); "
                   f"removed {len(result.removed)} objects")
