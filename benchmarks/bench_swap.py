@@ -5,8 +5,9 @@
 Starts the embedded stack with the demo's learner settings and N replicas, runs the
 demo's simulated users against the gateway (their feedback makes the learner publish
 and promote versions), then reports every swap from the policy registry: transport,
-bytes fetched against the weights' size, fetch/decode time, engine pause (vLLM paused
-while the weights load), time out of rotation (pause + verification), and the
+bytes fetched against the weights' size, fetch/decode time, drain (in-flight requests
+finishing on the old weights), engine pause (vLLM paused
+while the weights load), time out of rotation (drain + pause + verification), and the
 gateway's request outcomes from ClickHouse over the whole run. Then, with the users
 gone and the learner paused, swaps each replica back and forth between the stable
 version and its parent: the same figures without contention.
@@ -70,10 +71,10 @@ def idle_swaps(settings: Settings, rounds: int) -> list[dict]:
 def summarize(swaps: list[dict]) -> dict:
     ok = [s for s in swaps if s["ok"]]
     return {"swaps": len(swaps), "swaps_ok": len(ok),
-            **{f"{k}_median": statistics.median(s[k] for s in ok) for k in ("fetch_s", "decode_s", "load_s",
-                                                                            "verify_s", "pause_s")},
+            **{f"{k}_median": statistics.median(s[k] for s in ok) for k in ("fetch_s", "decode_s", "drain_s",
+                                                                            "load_s", "verify_s", "pause_s")},
             **{f"{k}_min": min(s[k] for s in ok) for k in ("load_s", "pause_s")},
-            **{f"{k}_max": max(s[k] for s in ok) for k in ("load_s", "pause_s")}}
+            **{f"{k}_max": max(s[k] for s in ok) for k in ("drain_s", "load_s", "pause_s")}}
 
 
 def main(replicas: int = 2, minutes: float = 4.0, users: int = 4, seed: int = 0, idle_rounds: int = 3) -> None:
@@ -103,7 +104,7 @@ def main(replicas: int = 2, minutes: float = 4.0, users: int = 4, seed: int = 0,
 
     table = Table(title=f"swaps under load, {replicas} replicas")
     columns = ["version", "replica", "ok", "transport", "fetched_bytes", "weights_bytes", "fetch_s",
-               "decode_s", "load_s", "verify_s", "pause_s"]
+               "decode_s", "drain_s", "load_s", "verify_s", "pause_s"]
     for c in columns:
         table.add_column(c)
     for s in swaps:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import json
 import time
@@ -17,7 +16,7 @@ from pydantic import BaseModel, ValidationError
 from ingest.schemas import IngestItem, IngestResponse, ItemError, ItemResult, describe, to_event
 from liverl.contracts import Id
 from liverl.keys import KeyRecord, KeyStore, Role, require_admin, require_key
-from liverl.kafka import encode, make_producer, send_many
+from liverl.kafka import BatchProducer, encode
 from liverl.observability import log, mount_metrics, setup_logging
 from liverl.settings import Settings, get_settings
 
@@ -50,10 +49,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        app.state.producer = make_producer(settings)
-        await app.state.producer.start()
+        app.state.producer = BatchProducer(settings, settings.ingest.delivery_timeout_s)
         yield
-        await app.state.producer.stop()
+        app.state.producer.close()
 
     app = FastAPI(title="liverl ingest", lifespan=lifespan)
     app.state.keys = KeyStore(settings.keys_file)
@@ -117,12 +115,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
         # Acknowledge only what the broker acknowledged (acks=all).
         try:
-            futures = await send_many(request.app.state.producer, [m for _, m, _, _ in sends])
-            acks = await asyncio.gather(*futures, return_exceptions=True)
-            for (index, _, seen_key, item_type), ack in zip(sends, acks):
-                if isinstance(ack, BaseException):
+            failures = await request.app.state.producer.send_many([m for _, m, _, _ in sends])
+            for (index, _, seen_key, item_type), failure in zip(sends, failures):
+                if failure is not None:
                     results[index] = ItemResult(
-                        id=results[index].id, status=503, error=f"broker did not acknowledge: {ack}"
+                        id=results[index].id, status=503, error=f"broker did not acknowledge: {failure}"
                     )
                     outcomes[item_type, "unacknowledged"] += 1
                 else:

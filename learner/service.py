@@ -204,6 +204,10 @@ class Learner:
                         self.take(record.value)
                         self.next_offsets[tp] = record.offset + 1
                 PENDING.set(len(self.pending))
+                if self.promoter.busy.is_set():
+                    # Training would starve the rollout's threads here (CPU and the GIL) and
+                    # stretch each replica's serving pause; the next version can wait seconds.
+                    continue
                 if self.due() or (self.flush_requested.is_set() and self.pending):
                     self.learn(consumer)
                 self.flush_requested.clear()

@@ -1,16 +1,18 @@
-"""Kafka plumbing shared by the producers and consumers (aiokafka and kafka-python)."""
+"""Kafka plumbing shared by the producers and consumers (aiokafka, confluent-kafka, kafka-python)."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import logging
 import socket
+import threading
 import time
-from collections import defaultdict
 from collections.abc import Sequence
 
-import numpy as np
 from aiokafka import AIOKafkaProducer
+from confluent_kafka import KafkaException, Producer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import TopicAlreadyExistsError
 from pydantic import BaseModel
@@ -26,48 +28,72 @@ def encode(event: BaseModel) -> bytes:
     return event.model_dump_json().encode()
 
 
-def murmur2_many(keys: Sequence[bytes]) -> np.ndarray:
-    """Kafka's murmur2 (the Java client's and aiokafka's default partitioner hash) of many
-    keys at once: numpy over keys of equal length, instead of a Python loop per byte."""
-    m, out = np.uint32(0x5BD1E995), np.empty(len(keys), np.uint32)
-    by_length: dict[int, list[int]] = defaultdict(list)
-    for i, key in enumerate(keys):
-        by_length[len(key)].append(i)
-    for length, rows in by_length.items():
-        data = np.frombuffer(b"".join(keys[i] for i in rows), np.uint8).reshape(len(rows), length)
-        h = np.full(len(rows), 0x9747B28C ^ length, np.uint32)
-        words = np.ascontiguousarray(data[:, : length // 4 * 4]).view("<u4")
-        for k in words.T.copy():  # uint32 arithmetic wraps, as Java's int does
-            k *= m
-            k ^= k >> np.uint32(24)
-            k *= m
-            h = (h * m) ^ k
-        tail = data[:, length // 4 * 4:].astype(np.uint32)
-        for byte in reversed(range(tail.shape[1])):
-            h ^= tail[:, byte] << np.uint32(8 * byte)
-        if tail.shape[1]:
-            h *= m
-        h ^= h >> np.uint32(13)
-        h *= m
-        h ^= h >> np.uint32(15)
-        out[rows] = h
-    return out
+class BatchProducer:
+    """The ingest API's producer: librdkafka (confluent-kafka) for asyncio callers.
 
-
-async def send_many(producer: AIOKafkaProducer,
-                    messages: Sequence[tuple[str, bytes, bytes]]) -> list[asyncio.Future]:
-    """Send (topic, key, value) messages; returns each one's delivery future.
-
-    Keys go to the partitions the default partitioner would pick (murmur2), so
-    co-partitioning with other producers holds, but hashed for the whole list at once:
-    aiokafka's per-key pure-Python murmur2 was a sixth of the ingest API's CPU time.
-    (`send_batch` would save more, but aiokafka lets one batch per partition wait at a
-    time and times concurrent callers out.)
+    Batches of keyed messages go out together and each message's broker acknowledgement
+    comes back to the awaiting coroutine. librdkafka batches, sends and partitions in C
+    on its own threads: about 3 us of CPU a message where aiokafka's per-message `send`
+    took about 20 (docs/benchmarks.md, Ingest). `murmur2_random` is the Java client's and
+    aiokafka's default partitioner, so a feedback event lands on the partition of its
+    trajectory (produced by the gateway with aiokafka): the join relies on it.
     """
-    hashes = (murmur2_many([key for _, key, _ in messages]) & np.uint32(0x7FFFFFFF)).tolist()
-    partitions = {topic: sorted(await producer.partitions_for(topic)) for topic in {t for t, _, _ in messages}}
-    return [await producer.send(topic, value, key=key, partition=partitions[topic][h % len(partitions[topic])])
-            for (topic, key, value), h in zip(messages, hashes)]
+
+    def __init__(self, settings: Settings, delivery_timeout_s: float):
+        self._producer = Producer({
+            "bootstrap.servers": settings.bootstrap, "acks": "all", "partitioner": "murmur2_random",
+            "linger.ms": 2, "message.timeout.ms": int(delivery_timeout_s * 1000),
+            "message.max.bytes": 4 * 1024 * 1024,
+            "logger": logging.getLogger("librdkafka"),  # structured lines, not its own format
+        })
+        self._stopped = threading.Event()
+        self._poller = threading.Thread(target=self._serve_delivery_reports, name="kafka-delivery", daemon=True)
+        self._poller.start()
+
+    def _serve_delivery_reports(self) -> None:
+        while not self._stopped.is_set():
+            self._producer.poll(0.1)
+
+    async def send_many(self, messages: Sequence[tuple[str, bytes, bytes]]) -> list[str | None]:
+        """Produce (topic, key, value) messages; per message, None once the broker
+        acknowledged it, or why it did not."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        results: list[str | None] = [None] * len(messages)
+        pending = len(messages)
+        lock = threading.Lock()
+
+        def finish() -> None:
+            if not done.done():  # the request may have been cancelled meanwhile
+                done.set_result(None)
+
+        def delivered(index: int, error: object, _message: object = None) -> None:
+            nonlocal pending
+            with lock:
+                if error is not None:
+                    results[index] = str(error)
+                pending -= 1
+                if pending == 0:
+                    loop.call_soon_threadsafe(finish)
+
+        for index, (topic, key, value) in enumerate(messages):
+            while True:
+                try:
+                    self._producer.produce(topic, value, key, on_delivery=functools.partial(delivered, index))
+                    break
+                except BufferError:  # librdkafka's local queue is full: let it drain
+                    await asyncio.sleep(0.005)
+                except KafkaException as error:  # refused before sending (e.g. unknown topic)
+                    delivered(index, error.args[0])
+                    break
+        if messages:
+            await done
+        return results
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        self._producer.flush(timeout_s)
+        self._stopped.set()
+        self._poller.join()
 
 
 def make_producer(settings: Settings, **overrides: object) -> AIOKafkaProducer:

@@ -136,6 +136,10 @@ class ServingConfig(BaseModel):
     swap: Literal["inplace", "restart"] = Field(
         "inplace", description="Load new weights into the running engine, or blue/green restart."
     )
+    swap_drain_s: float = Field(
+        5.0, description="How long an in-place swap lets the replica finish its in-flight requests "
+        "on the old weights before pausing whatever is left (kept, re-prefilled on the new ones).",
+    )
 
 
 class FeedbackConfig(BaseModel):
@@ -152,6 +156,7 @@ class IngestConfig(BaseModel):
     max_batch_items: int = Field(1000, description="Most items accepted in one ingestion batch.")
     max_item_bytes: int = Field(64 * 1024, description="Largest accepted item, in JSON bytes of the event written to Kafka.")
     max_body_bytes: int = Field(16 * 1024 * 1024, description="Largest request body accepted.")
+    delivery_timeout_s: float = Field(30.0, description="How long an item may wait for the broker's ack before it is answered 503.")
 
 
 class LearnerConfig(BaseModel):
@@ -208,6 +213,10 @@ class Settings(BaseSettings):
         None, description="Set by `liverl up` per start; offsets are recorded with it."
     )
     start_timeout_s: float = Field(90.0, description="How long a non-replica component may take.")
+    stream_nice: int = Field(
+        10, ge=0, le=19, description="Niceness of the feedback stream and the sink: on a shared "
+        "machine, ingest and serving answer first and the stream catches up in the gaps.",
+    )
     drain_timeout_s: float = Field(120.0, description="How long `down` waits for draining.")
 
     def url(self, port: int) -> str:

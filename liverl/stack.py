@@ -127,9 +127,10 @@ class Launcher:
                              f"{lines[-1] if lines else 'no output'}; see {self.log(name)}")
         raise StackError(f"{name} was not healthy after {timeout:.0f} s; see {self.log(name)}")
 
-    def python(self, name: str, module: str, port: int, *args: str) -> None:
+    def python(self, name: str, module: str, port: int, *args: str, nice: int = 0) -> None:
         url = self.settings.url(port)
-        process = self.spawn(name, [sys.executable, "-m", module, *args], child_env(self.settings), url)
+        argv = ["nice", "-n", str(nice)] if nice else []
+        process = self.spawn(name, [*argv, sys.executable, "-m", module, *args], child_env(self.settings), url)
         health = url + ("/" if name == "feedback" else "/health")
         self.wait(name, process, lambda: httpx.get(health, timeout=2).status_code == 200,
                   self.settings.start_timeout_s)
@@ -215,10 +216,10 @@ def up(settings: Settings, say: Callable[[str], None] = print, progress: bool = 
             launcher.wait("broker", process, lambda: not port_free(settings.host, settings.broker.port), 30)
             say(f"  broker     {settings.bootstrap} (cluster {cluster_id})")
         asyncio.run(ensure_topics(settings))
-        launcher.python("sink", "feedback.sink", settings.ports.sink)
+        launcher.python("sink", "feedback.sink", settings.ports.sink, nice=settings.stream_nice)
         launcher.python("feedback", "feedback.stream", settings.ports.feedback, "worker",
                         "-l", "warn", "--web-port", str(settings.ports.feedback),
-                        "--web-host", settings.host)
+                        "--web-host", settings.host, nice=settings.stream_nice)
         launcher.python("api", "ingest.api", settings.ports.api)
         started = [launch_replica(settings, f"replica-{i}", model_dir, settings.ports.replica_base + i, version)
                    for i in range(settings.serving.replicas)]

@@ -6,10 +6,13 @@ one, never on unverified weights):
 - "inplace" (default): vLLM's stock `reload_weights` corrupts MoE experts on CPU
   (docs/inplace-reload.md), so replicas run with our worker extension
   (`serving/inplace.py`) that reloads and re-packs them. The commit: the gateway stops
-  sending the replica new requests (they wait or go to another replica), vLLM pauses
-  keeping in-flight requests, the weights load, the prefix cache is reset (cached
-  KV came from the old weights), vLLM resumes, the version's probe set is checked
-  against the trainer's logprobs, and only then does the gateway route to it again.
+  sending the replica new requests (they wait or go to another replica), the requests
+  it is running finish on the old weights (for up to `serving.swap_drain_s`: a
+  completion then comes from one version, and the engine is idle, so the pause is
+  short), vLLM pauses keeping whatever is still in flight, the weights load, the
+  prefix cache is reset (cached KV came from the old weights), vLLM resumes, the
+  version's probe set is checked against the trainer's logprobs, and only then does
+  the gateway route to it again.
   A replica that fails the probe loads its old weights back, is verified again, and
   serves on.
 - "restart": blue/green per replica: start the new version beside the old, verify,
@@ -56,11 +59,12 @@ class SwapReport(BaseModel):
     version: str
     ok: bool
     mode: str
-    pause_s: float = Field(0.0, description="Time the replica took no new requests.")
-    load_s: float = Field(0.0, description="Applying the weights in the engine (or starting it).")
+    pause_s: float = Field(0.0, description="Time out of rotation: the replica took no new requests.")
+    load_s: float = Field(0.0, description="The serving pause: the engine paused while the weights "
+                                           "load (or the new engine starting).")
     start_s: float = 0.0
     verify_s: float = 0.0
-    drain_s: float = 0.0
+    drain_s: float = Field(0.0, description="In-flight requests finishing on the old weights.")
     max_logprob_diff: float | None = None
     reverted: bool = False
     error: str | None = None
@@ -121,10 +125,18 @@ def set_replica(settings: Settings, name: str, **changes: object) -> Replica:
     return updated
 
 
+def drain_in_flight(url: str, timeout_s: float) -> float:
+    """Let a replica out of rotation finish what it runs; seconds waited."""
+    t = time.time()
+    wait_until(lambda: in_flight(url) == 0, timeout_s, interval=0.05)
+    return time.time() - t
+
+
 def load_in_place(url: str, model_dir: Path) -> None:
     """Pause keeping in-flight requests, load, drop stale KV, resume."""
     with httpx.Client(base_url=url, timeout=120) as http:
-        http.post("/pause", params={"mode": "keep"}).raise_for_status()
+        # clear_cache=false: it only clears the multimodal input cache, through a busy executor
+        http.post("/pause", params={"mode": "keep", "clear_cache": "false"}).raise_for_status()
         try:
             http.post("/collective_rpc", json={"method": "inplace_load_weights_from_dir",
                                                "kwargs": {"path": str(model_dir)}}).raise_for_status()
@@ -139,6 +151,7 @@ def swap_in_place(settings: Settings, name: str, version: str, model_dir: Path) 
     paused = time.time()
     set_replica(settings, name, enabled=False)
     try:
+        report.drain_s = drain_in_flight(old.url, settings.serving.swap_drain_s)
         t = time.time()
         load_in_place(old.url, model_dir)
         report.load_s = time.time() - t
@@ -212,9 +225,7 @@ def swap_by_restart(settings: Settings, name: str, version: str, model_dir: Path
         report.error = str(error)
         return report
     set_replica(settings, name, **new.model_dump(exclude={"name"}))
-    t = time.time()
-    wait_until(lambda: in_flight(old.url) == 0, settings.serving.request_timeout_s)
-    report.drain_s = time.time() - t
+    report.drain_s = drain_in_flight(old.url, settings.serving.request_timeout_s)
     if old.pid:
         stop_pid(old.pid)
     report.ok = True
