@@ -58,8 +58,11 @@ async def throughput(url: str, key: str, seconds: float, concurrency: int, batch
         nonlocal accepted
         n = i
         while time.perf_counter() < deadline:
-            # Fresh ids per send: a repeated id would be a cheap duplicate, not a new event.
-            body = payloads[n % len(payloads)].replace(b"evt-", f"e{n:07d}-".encode(), batch_size)
+            # Fresh event and completion ids per send: a repeated event id would be a cheap
+            # duplicate, and a completion rarely gets more than a few feedback events.
+            prefix = f"{n:07d}-".encode()
+            body = (payloads[n % len(payloads)].replace(b"evt-", b"e" + prefix, batch_size)
+                    .replace(b"cmpl-bench-", b"c" + prefix, batch_size))
             n += concurrency
             t = time.perf_counter()
             async with http.post("/v1/ingestion", data=body) as response:
@@ -110,6 +113,8 @@ def main(seconds: float = 30.0, concurrency: int = 8, batch_size: int = 100, vis
         key = json.loads((settings.data_dir / "dev-keys.json").read_text())["tenant_key"]
         console.print(f"sending batches of {batch_size} for {seconds:.0f} s from {concurrency} clients")
         result = uvloop.run(throughput(settings.url(settings.ports.api), key, seconds, concurrency, batch_size))
+        console.print(f"accepted {result['events_per_s']:,.0f} events/s; per batch p50 {result['p50_ms']:.1f} ms, "
+                      f"p99 {result['p99_ms']:.1f} ms")
         # The stream and the sink run niced (`stream_nice`): during the burst they fall
         # behind, and catch up after it. Visibility is timed once they have.
         started = time.perf_counter()

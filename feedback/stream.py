@@ -159,6 +159,12 @@ async def handle(topic: str, raw: bytes) -> None:
         if owner is not None and parsed.tenant != owner:
             await dead_letter(topic, "tenant does not own this completion", raw, parsed.tenant)
             return
+        if len(state["feedback"]) >= settings.feedback.max_feedback_per_completion:
+            # The whole state is rewritten to the changelog on every event: unbounded,
+            # one chatty completion would cost quadratic time and broker memory.
+            await dead_letter(topic, f"more than {settings.feedback.max_feedback_per_completion} "
+                              "feedback events for this completion", raw, parsed.tenant)
+            return
         state["feedback"].append(parsed.model_dump(mode="json"))
         if state["closed"]:
             EVENTS.labels(topic, "late").inc()

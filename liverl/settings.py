@@ -147,6 +147,9 @@ class FeedbackConfig(BaseModel):
         3600.0, description="How long after a completion feedback still joins it on time."
     )
     sweep_interval_s: float = Field(5.0, description="How often closed windows are swept.")
+    max_feedback_per_completion: int = Field(
+        64, description="Feedback events one completion may collect; more go to the dead-letter topic.",
+    )
     reward_config: Path | None = Field(
         None, description="YAML of per-tenant reward functions; None uses the defaults."
     )

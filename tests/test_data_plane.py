@@ -163,6 +163,24 @@ def test_duplicates_count_once_and_unknown_or_foreign_feedback_never_trains(
     assert sql(settings, f"SELECT count() AS n FROM samples WHERE sample_id = '{unknown_id}'") == [{"n": 0}]
 
 
+def test_a_completion_takes_a_bounded_number_of_feedback_events(settings, openai_client, api):
+    completion_id = openai_client.completions.create(
+        model="liverl", prompt="y = ", max_tokens=4).model_extra["completion_id"]
+    cap = settings.feedback.max_feedback_per_completion
+    events = [item(f"many-{i}-{uuid.uuid4().hex}", {"kind": "thumbs", "completion_id": completion_id, "up": True})
+              for i in range(cap + 2)]
+    assert api.post("/v1/ingestion", json={"batch": events}).json()["accepted"] == cap + 2
+    refused = wait_for(lambda: (rows := sql(settings, f"SELECT payload FROM dead_letters WHERE reason = "
+                                                      f"'more than {cap} feedback events for this completion' "
+                                                      f"AND position(payload, '{completion_id}') > 0"))
+                       and len(rows) == 2 and rows)
+    assert {json.loads(r["payload"])["event_id"] for r in refused} == {e["id"] for e in events[cap:]}
+    # At most one sample revision per joined event (fewer if the trajectory came last).
+    revisions = wait_for(lambda: (rows := sql(settings, f"SELECT count() AS n, max(revision) AS last FROM samples "
+                                                        f"WHERE sample_id = '{completion_id}'")) and rows[0]["n"] and rows)
+    assert revisions[0]["last"] < cap
+
+
 def test_window_closes_with_default_reward_and_late_feedback_is_a_revision(
         settings, openai_client, api):
     completion_id = openai_client.completions.create(
