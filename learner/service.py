@@ -171,6 +171,9 @@ class Learner:
         log(logger, "version written", version=version.version, samples=len(batch),
             reward=metrics["mean_reward"], seconds=round(metrics["train_seconds"], 2))
         self.current = version
+        for stale in self.state_dir.glob("*.pt"):  # training resumes from the newest state only
+            if stale.name != f"{version.version}.pt":
+                stale.unlink()
         self.pending.clear()
         self.dropped = dict.fromkeys(self.dropped, 0)
         self.window_started = time.time()

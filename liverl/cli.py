@@ -242,7 +242,7 @@ def policy_promote(version: str, data_dir: Optional[Path] = DataDir,
     registry = Registry(settings.policies_dir)
     try:
         result = Promoter(settings, registry).promote(version, actor)
-    except KeyError as error:
+    except (KeyError, ValueError) as error:
         fail(str(error))
     console.print(f"{version}: {result.state}")
 

@@ -93,7 +93,7 @@ class SyncConfig(BaseModel):
         "delta", description="Ship verified deltas through the delta store, or load the registry's directory."
     )
     snapshot_every: int = Field(10, ge=1, description="Also store a full snapshot of every Nth version.")
-    keep_versions: int = Field(8, ge=1, description="Newest versions the delta store keeps besides those still needed.")
+    keep_versions: int = Field(8, ge=1, description="Newest versions the delta store and the registry keep besides those still needed.")
     fetch_retries: int = Field(3, ge=0, description="Extra fetches of a chunk that arrives corrupted or short.")
 
 

@@ -49,6 +49,9 @@ class Promoter:
         from serving.swap import roll_out
 
         target = self.registry.get(version)
+        if not Path(target.model_dir).exists():
+            raise ValueError(f"{version}'s weights were removed by retention (sync.keep_versions); "
+                             "promote a newer version")
         previous = self.registry.stable()
         self.transition(version, "canary", actor, "offline gate passed; rolling out canary first")
         reports = roll_out(self.settings, version, Path(target.model_dir))

@@ -197,6 +197,20 @@ class Registry:
                        "VALUES (?,?,?,?,?,?)", (version, time.time(), current[0], to_state, actor, reason))
         return self.get(version)
 
+    def drop_weights(self, version: str, reason: str) -> None:
+        """Delete a version's weights directory; its record, lineage and history stay."""
+        record = self.get(version)
+        model_dir = Path(record.model_dir)
+        if not model_dir.exists():
+            return
+        for path in model_dir.rglob("*"):  # published read-only
+            path.chmod(stat.S_IRWXU)
+        shutil.rmtree(model_dir)
+        with self.transaction() as db:  # the state does not change; the history says why the files went
+            db.execute("INSERT INTO events (version, at, from_state, to_state, actor, reason) "
+                       "VALUES (?,?,?,?,?,?)", (version, time.time(), record.state, record.state,
+                                                "retention", reason))
+
     def update_metrics(self, version: str, **metrics: object) -> None:
         with self.transaction() as db:
             row = db.execute("SELECT metrics FROM versions WHERE version = ?", (version,)).fetchone()

@@ -155,8 +155,8 @@ def sync_status(data_dir: Optional[Path] = DataDir) -> None:
 
 @sync_app.command("gc")
 def sync_gc(data_dir: Optional[Path] = DataDir) -> None:
-    """Remove store objects older than `sync.keep_versions` that no replica, alias or
-    rollback target needs."""
+    """Remove store objects and registry weights older than `sync.keep_versions` that no
+    replica, alias or rollback target needs."""
     from liverl.stack import running_settings
     from policies.registry import Registry
     from sync.records import sync_store
@@ -165,6 +165,7 @@ def sync_gc(data_dir: Optional[Path] = DataDir) -> None:
     settings = running_settings(data_dir)
     result = collect_garbage(settings, sync_store(settings), Registry(settings.policies_dir))
     console.print(f"kept {len(result.kept)} versions ({', '.join(result.kept) or 'none'}); "
-                  f"removed {len(result.removed)} objects")
+                  f"removed {len(result.removed)} objects; full weights removed from the registry: "
+                  f"{', '.join(result.weights_removed) or 'none'}")
     for key in result.removed:
         console.print(f"  removed {key}")

@@ -1,4 +1,5 @@
-"""Retention of the delta store: keep the newest versions and whatever is still needed.
+"""Retention of the delta store and of the registry's full version directories: keep the
+newest versions and whatever is still needed.
 
 Kept: the `keep_versions` newest versions; every version a replica holds, is staging
 or keeps for rollback; the registry's aliases (stable, canary) and the rollback
@@ -11,6 +12,8 @@ staging and loads the registry's full directory; the swap records why.)
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from pydantic import BaseModel, Field
 
@@ -30,6 +33,8 @@ class Needs(BaseModel):
 class Collected(BaseModel):
     kept: list[str] = Field(description="Versions whose records remain.")
     removed: list[str] = Field(description="Store keys deleted.")
+    weights_removed: list[str] = Field(default_factory=list,
+                                       description="Versions whose full directories left the registry.")
 
 
 def needs(settings: Settings, registry: Registry) -> Needs:
@@ -86,5 +91,20 @@ def collect(store: DeltaStore, keep_versions: int, needs: Needs) -> Collected:
     return Collected(kept=sorted(keep, key=lambda v: keep[v].seq), removed=removed)
 
 
+def drop_old_weights(registry: Registry, keep_versions: int, needs: Needs) -> list[str]:
+    """The registry's full directories by the same rule: the newest and what is needed stay."""
+    versions = registry.versions()
+    newest = {v.version for v in sorted(versions, key=lambda v: v.seq)[-keep_versions:]}
+    dropped = []
+    for version in versions:
+        if version.version not in newest | needs.protected and Path(version.model_dir).exists():
+            registry.drop_weights(version.version, f"older than the newest {keep_versions} and not needed")
+            dropped.append(version.version)
+    return dropped
+
+
 def collect_garbage(settings: Settings, store: DeltaStore, registry: Registry) -> Collected:
-    return collect(store, settings.sync.keep_versions, needs(settings, registry))
+    wanted = needs(settings, registry)
+    collected = collect(store, settings.sync.keep_versions, wanted)
+    collected.weights_removed = drop_old_weights(registry, settings.sync.keep_versions, wanted)
+    return collected

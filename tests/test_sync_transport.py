@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 
 import sync.store
 from liverl.settings import LocalDeltaStore, S3DeltaStore, Settings, SyncConfig
+from policies.promotion import Promoter
 from policies.registry import Registry
 from serving.replicas import Pool, Replica, write_pool
 from serving.swap import stage
@@ -26,7 +27,7 @@ from sync.checkpoint import Checkpoint, bits
 from sync.delta import state_digest
 from sync.records import StoredObject, VersionRecord, read_records, sync_store
 from sync.replica import ReplicaSync, SyncError, plan
-from sync.retention import Needs, collect, needs
+from sync.retention import Needs, collect, drop_old_weights, needs
 from sync.store import StoreError, open_store
 from sync.transport import publish_new, ship
 
@@ -290,6 +291,15 @@ def test_retention_keeps_what_replicas_aliases_and_rollback_need(tmp_path):
     for version in result.kept:  # and everything kept is reachable from nothing
         assert same_weights(fresh.stage(version)[0], lineage.dir(version))
     assert collect(store, 2, Needs(protected=set(), held=set())).kept == ["v8", "v9", "v10", "v11"]
+
+    # The registry's full directories go by the same rule; records and history stay.
+    assert drop_old_weights(lineage.registry, 2, wanted) == ["v0", "v1", "v2", "v3", "v4", "v7", "v8"]
+    on_disk = {v.version for v in lineage.registry.versions() if Path(v.model_dir).exists()}
+    assert on_disk == {"v5", "v6", "v9", "v10", "v11"}
+    assert lineage.registry.history("v7")[-1]["actor"] == "retention"
+    with pytest.raises(ValueError, match="removed by retention"):
+        Promoter(settings, lineage.registry).promote("v7", "test")
+    assert lineage.registry.get("v7").state == "candidate"  # nothing was rolled out
 
 
 def test_publish_new_catches_up_from_an_empty_store(tmp_path):
