@@ -15,7 +15,7 @@ from prometheus_client import Counter, Histogram
 from pydantic import BaseModel, ValidationError
 
 from ingest.schemas import IngestItem, IngestResponse, ItemError, ItemResult, describe, to_event
-from liverl.contracts import Id
+from liverl.contracts import Id, utcnow
 from liverl.keys import KeyRecord, KeyStore, Role, require_admin, require_key
 from liverl.kafka import BatchProducer, encode
 from liverl.observability import log, mount_metrics, setup_logging
@@ -71,7 +71,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @app.post("/v1/ingestion", status_code=207, response_model=IngestResponse)
     async def ingest(request: Request, key: KeyRecord = Depends(require_key)) -> Response:
-        started = time.perf_counter()
+        started, received_at = time.perf_counter(), utcnow()
         raw = await request.body()
         if len(raw) > limits.max_body_bytes:
             raise HTTPException(413, f"body is {len(raw)} bytes; the limit is {limits.max_body_bytes}")
@@ -106,7 +106,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                     results.append(ItemResult(id=item.id, status=200, duplicate=True))
                     outcomes[item.type, "duplicate"] += 1
                     continue
-                topic, partition_key, event = to_event(item, key.tenant)
+                topic, partition_key, event = to_event(item, key.tenant, received_at)
                 value = encode(event)
                 if len(value) > limits.max_item_bytes:
                     raise ItemError(f"item is larger than {limits.max_item_bytes} bytes as an event")

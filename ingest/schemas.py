@@ -21,7 +21,6 @@ from liverl.contracts import (
     Strict,
     Topics,
     Trajectory,
-    utcnow,
 )
 
 # kind -> body model, for errors that name the field ("body.score"), not the union tag.
@@ -64,7 +63,7 @@ def describe(error: ValidationError, prefix: str = "") -> str:
     return "; ".join(parts)
 
 
-def to_event(item: IngestItem, tenant: str) -> tuple[str, str, BaseModel]:
+def to_event(item: IngestItem, tenant: str, received_at: datetime) -> tuple[str, str, BaseModel]:
     """(topic, partition key, event) for a validated item; ItemError if its body is bad."""
     try:
         if item.type == "trajectory":
@@ -88,5 +87,5 @@ def to_event(item: IngestItem, tenant: str) -> tuple[str, str, BaseModel]:
     # created): no second pass. Every field is given, defaults too: pydantic inspects a
     # default factory's signature each time it calls it, a sixth of the API's CPU.
     event = FeedbackEvent.model_construct(event_id=item.id, schema_version=SCHEMA_VERSION, tenant=tenant,
-                                          timestamp=item.timestamp, received_at=utcnow(), body=body)
+                                          timestamp=item.timestamp, received_at=received_at, body=body)
     return Topics.FEEDBACK, body.completion_id, event

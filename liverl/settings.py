@@ -220,6 +220,10 @@ class Settings(BaseSettings):
         10, ge=0, le=19, description="Niceness of the feedback stream and the sink: on a shared "
         "machine, ingest and serving answer first and the stream catches up in the gaps.",
     )
+    stream_cpus: list[int] | None = Field(
+        None, description="CPUs the feedback stream and the sink may run on (None: any), so "
+        "ingest and serving keep the others to themselves on a shared machine.",
+    )
     drain_timeout_s: float = Field(120.0, description="How long `down` waits for draining.")
 
     def url(self, port: int) -> str:

@@ -127,10 +127,15 @@ class Launcher:
                              f"{lines[-1] if lines else 'no output'}; see {self.log(name)}")
         raise StackError(f"{name} was not healthy after {timeout:.0f} s; see {self.log(name)}")
 
-    def python(self, name: str, module: str, port: int, *args: str, nice: int = 0) -> None:
+    def python(self, name: str, module: str, port: int, *args: str, background: bool = False) -> None:
+        """A liverl component; `background` ones (the stream) run niced, on `stream_cpus`."""
         url = self.settings.url(port)
-        argv = ["nice", "-n", str(nice)] if nice else []
-        process = self.spawn(name, [*argv, sys.executable, "-m", module, *args], child_env(self.settings), url)
+        argv = [sys.executable, "-m", module, *args]
+        if background:
+            argv = ["nice", "-n", str(self.settings.stream_nice), *argv]
+            if self.settings.stream_cpus:
+                argv = ["taskset", "-c", ",".join(map(str, self.settings.stream_cpus)), *argv]
+        process = self.spawn(name, argv, child_env(self.settings), url)
         health = url + ("/" if name == "feedback" else "/health")
         self.wait(name, process, lambda: httpx.get(health, timeout=2).status_code == 200,
                   self.settings.start_timeout_s)
@@ -216,10 +221,10 @@ def up(settings: Settings, say: Callable[[str], None] = print, progress: bool = 
             launcher.wait("broker", process, lambda: not port_free(settings.host, settings.broker.port), 30)
             say(f"  broker     {settings.bootstrap} (cluster {cluster_id})")
         asyncio.run(ensure_topics(settings))
-        launcher.python("sink", "feedback.sink", settings.ports.sink, nice=settings.stream_nice)
+        launcher.python("sink", "feedback.sink", settings.ports.sink, background=True)
         launcher.python("feedback", "feedback.stream", settings.ports.feedback, "worker",
                         "-l", "warn", "--web-port", str(settings.ports.feedback),
-                        "--web-host", settings.host, nice=settings.stream_nice)
+                        "--web-host", settings.host, background=True)
         launcher.python("api", "ingest.api", settings.ports.api)
         started = [launch_replica(settings, f"replica-{i}", model_dir, settings.ports.replica_base + i, version)
                    for i in range(settings.serving.replicas)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 import sys
@@ -210,6 +211,11 @@ def test_status_reports_every_component(settings):
     assert all(c["healthy"] for c in names.values())
     assert names["replica-0"]["policy_version"].startswith("v")
     assert report["keys_file"].endswith("dev-keys.json")
+    # The stream yields to ingest and serving: niced, and on the CPUs it was given.
+    for background in ("sink", "feedback"):
+        pid = names[background]["pid"]
+        assert os.getpriority(os.PRIO_PROCESS, pid) == settings.stream_nice
+        assert os.sched_getaffinity(pid) == set(settings.stream_cpus)
 
 
 def test_dead_letters_can_be_listed_and_replayed(settings):
