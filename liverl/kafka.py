@@ -32,8 +32,8 @@ class BatchProducer:
 
     Batches of keyed messages go out together and each message's broker acknowledgement
     comes back to the awaiting coroutine. librdkafka batches, sends and partitions in C
-    on its own threads: about 3 us of CPU a message where aiokafka's per-message `send`
-    took about 20 (docs/benchmarks.md, Ingest). `murmur2_random` is the Java client's and
+    on its own threads, where aiokafka's per-message `send` runs in Python
+    (docs/benchmarks.md, Ingest). `murmur2_random` is the Java client's and
     aiokafka's default partitioner, so a feedback event lands on the partition of its
     trajectory (produced by the gateway with aiokafka): the join relies on it.
     """

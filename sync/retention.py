@@ -94,10 +94,10 @@ def collect(store: DeltaStore, keep_versions: int, needs: Needs) -> Collected:
 def drop_old_weights(registry: Registry, keep_versions: int, needs: Needs) -> list[str]:
     """The registry's full directories by the same rule: the newest and what is needed stay."""
     versions = registry.versions()
-    newest = {v.version for v in sorted(versions, key=lambda v: v.seq)[-keep_versions:]}
+    kept = {v.version for v in sorted(versions, key=lambda v: v.seq)[-keep_versions:]} | needs.protected
     dropped = []
     for version in versions:
-        if version.version not in newest | needs.protected and Path(version.model_dir).exists():
+        if version.version not in kept and Path(version.model_dir).exists():
             registry.drop_weights(version.version, f"older than the newest {keep_versions} and not needed")
             dropped.append(version.version)
     return dropped
