@@ -40,6 +40,7 @@ from liverl.contracts import (
     Topics,
     Trajectory,
 )
+from liverl.kafka import encode
 from liverl.observability import setup_logging
 from liverl.settings import get_settings
 
@@ -77,7 +78,7 @@ async def dead_letter(topic: str, reason: str, payload: bytes, tenant: str | Non
     digest = hashlib.sha256(topic.encode() + payload).hexdigest()[:32]
     letter = DeadLetter(event_id=f"dlq-{digest}", source_topic=topic, reason=reason,
                         tenant=tenant, payload=payload.decode(errors="replace"))
-    await dead_letters.send(key=digest.encode(), value=letter.model_dump_json().encode())
+    await dead_letters.send(key=digest.encode(), value=encode(letter))
     EVENTS.labels(topic, "dead_letter").inc()
 
 
@@ -97,7 +98,7 @@ async def emit(state: dict[str, Any], result: RewardResult, source: str) -> None
         trajectory=trajectory,
     )
     await samples_topic.send(
-        key=trajectory.completion_id.encode(), value=sample.model_dump_json().encode()
+        key=trajectory.completion_id.encode(), value=encode(sample)
     )
     SAMPLES.labels(source).inc()
 
@@ -152,7 +153,7 @@ async def handle(topic: str, raw: bytes) -> None:
         for f in [f for f in state["feedback"] if f["tenant"] != parsed.tenant]:
             state["feedback"].remove(f)
             await dead_letter(Topics.FEEDBACK, "tenant does not own this completion",
-                              FeedbackEvent.model_validate(f).model_dump_json().encode(), f["tenant"])
+                              encode(FeedbackEvent.model_validate(f)), f["tenant"])
         if state["feedback"]:
             await score_and_emit(state)
     else:
@@ -209,7 +210,7 @@ async def close_window(key: str) -> None:
         for f in state["feedback"]:
             await dead_letter(Topics.FEEDBACK, "unjoinable: no trajectory for this "
                               "completion_id within the reward window",
-                              FeedbackEvent.model_validate(f).model_dump_json().encode(), f["tenant"])
+                              encode(FeedbackEvent.model_validate(f)), f["tenant"])
         del completions[key]
         return
     if state["revision"] < 0 and (result := rewarder.default(Trajectory.model_validate(trajectory))):

@@ -8,13 +8,14 @@ import json
 import time
 from collections import OrderedDict
 from contextlib import asynccontextmanager
+from typing import get_args
 
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import Response
 from prometheus_client import Counter, Histogram
 from pydantic import BaseModel, ValidationError
 
-from ingest.schemas import IngestItem, IngestResponse, ItemError, ItemResult, describe, to_event
+from ingest.schemas import FeedbackBatch, IngestItem, IngestResponse, ItemError, ItemResult, describe, to_event
 from liverl.contracts import Id, utcnow
 from liverl.keys import KeyRecord, KeyStore, Role, require_admin, require_key
 from liverl.kafka import BatchProducer, encode
@@ -24,6 +25,7 @@ from liverl.settings import Settings, get_settings
 ITEMS = Counter("liverl_ingest_items_total", "Ingested items by outcome", ["type", "outcome"])
 BATCH_SECONDS = Histogram("liverl_ingest_batch_seconds", "Time to acknowledge a batch")
 logger = setup_logging("ingest")
+ITEM_TYPES = get_args(IngestItem.model_fields["type"].annotation)
 
 
 class RecentIds:
@@ -45,6 +47,39 @@ class RecentIds:
         self._ids[key] = None
         if len(self._ids) > self.capacity:
             self._ids.popitem(last=False)
+
+
+def validated_items(raw: bytes, max_items: int) -> list[tuple[str | None, str, IngestItem | ItemError]]:
+    """(id, type, validated item or why not) for each item of a request body; an
+    HTTPException when the body as a whole is not a batch."""
+    try:
+        batch = FeedbackBatch.model_validate_json(raw).batch
+    except ValidationError:
+        pass  # not all plain, valid feedback: item by item below, each error on its item
+    else:
+        if len(batch) <= max_items:
+            return [(item.id, item.type, item) for item in batch]
+    try:
+        payload = json.loads(raw)
+    except ValueError as error:
+        raise HTTPException(400, f"malformed JSON: {error}") from None
+    if not isinstance(payload, dict) or not isinstance(payload.get("batch"), list):
+        raise HTTPException(422, "batch: expected an object {\"batch\": [...]} with a list")
+    if extra := set(payload) - {"batch"}:
+        raise HTTPException(422, f"{sorted(extra)[0]}: extra field not permitted")
+    if len(payload["batch"]) > max_items:
+        raise HTTPException(413, f"batch has {len(payload['batch'])} items; the limit is {max_items}")
+    items = []
+    for index, raw_item in enumerate(payload["batch"]):
+        item_id = raw_item.get("id") if isinstance(raw_item, dict) else None
+        item_type = raw_item.get("type") if isinstance(raw_item, dict) else None
+        try:
+            item: IngestItem | ItemError = IngestItem.model_validate(raw_item)
+        except ValidationError as error:
+            item = ItemError(describe(error, f"batch.{index}"))
+        items.append((item_id if isinstance(item_id, str) else None,
+                      item_type if item_type in ITEM_TYPES else "?", item))  # bounded metric labels
+    return items
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -75,32 +110,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         raw = await request.body()
         if len(raw) > limits.max_body_bytes:
             raise HTTPException(413, f"body is {len(raw)} bytes; the limit is {limits.max_body_bytes}")
-        try:
-            payload = json.loads(raw)
-        except ValueError as error:
-            raise HTTPException(400, f"malformed JSON: {error}") from None
-        if not isinstance(payload, dict) or not isinstance(payload.get("batch"), list):
-            raise HTTPException(422, "batch: expected an object {\"batch\": [...]} with a list")
-        if extra := set(payload) - {"batch"}:
-            raise HTTPException(422, f"{sorted(extra)[0]}: extra field not permitted")
-        items = payload["batch"]
-        if len(items) > limits.max_batch_items:
-            raise HTTPException(
-                413, f"batch has {len(items)} items; the limit is {limits.max_batch_items}"
-            )
+        items = validated_items(raw, limits.max_batch_items)
 
         results: list[ItemResult] = []
         outcomes: collections.Counter[tuple[str, str]] = collections.Counter()
         sends: list[tuple[int, tuple[str, bytes, bytes], str, str]] = []
         in_batch: set[str] = set()
-        for index, raw_item in enumerate(items):
-            item_id = raw_item.get("id") if isinstance(raw_item, dict) else None
-            item_id = item_id if isinstance(item_id, str) else None
+        for item_id, item_type, item in items:
             try:
-                try:
-                    item = IngestItem.model_validate(raw_item)
-                except ValidationError as error:
-                    raise ItemError(describe(error, f"batch.{index}")) from None
+                if isinstance(item, ItemError):
+                    raise item
                 seen_key = f"{key.tenant}/{item.id}"  # tenants are ids: no "/" in them
                 if item.id in in_batch or seen_key in request.app.state.recent:
                     results.append(ItemResult(id=item.id, status=200, duplicate=True))
@@ -113,7 +132,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             except ItemError as error:
                 status = 413 if "larger than" in str(error) else 400
                 results.append(ItemResult(id=item_id, status=status, error=str(error)))
-                outcomes[str(raw_item.get("type") if isinstance(raw_item, dict) else "?"), "rejected"] += 1
+                outcomes[item_type, "rejected"] += 1
                 continue
             in_batch.add(item.id)
             results.append(ItemResult(id=item.id, status=201))

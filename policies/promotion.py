@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from liverl.contracts import PolicyVersionEvent, Topics
-from liverl.kafka import produce_sync
+from liverl.kafka import encode, produce_sync
 from liverl.observability import log, setup_logging
 from liverl.settings import Settings
 from policies.registry import PolicyVersion, Registry
@@ -35,7 +35,7 @@ class Promoter:
             version=version.version, parent=version.parent, state=version.state,
             created_at=version.created_at, content_hash=version.content_hash, metrics=version.metrics)
         try:
-            produce_sync(self.settings, Topics.POLICY_VERSIONS, event.model_dump_json().encode())
+            produce_sync(self.settings, Topics.POLICY_VERSIONS, encode(event))
         except Exception as error:  # analytics must not block a promotion
             log(logger, "could not announce version", version=version.version, error=repr(error))
 
