@@ -2,8 +2,9 @@
 
     .venv/bin/python benchmarks/bench_ingest.py [--seconds 30] [--concurrency 8] [--burst-only]
 
-Sends batches of 100 feedback events (~300 bytes each) to POST /v1/ingestion from
-several concurrent clients for a fixed time; reports accepted events/s and per-batch
+Once the stack is quiet (vLLM's warm-up and the learner's start-up go on after `up`
+reports healthy), sends batches of 100 feedback events (~300 bytes each) to POST
+/v1/ingestion from several concurrent clients for a fixed time; reports accepted events/s and per-batch
 latency percentiles. Then waits until the feedback stream and the sink have caught up
 with the burst (how long that takes is reported too), and marks single events and
 times how long each takes to be visible in ClickHouse (through the sink, as `liverl
@@ -20,6 +21,7 @@ import uuid
 
 import aiohttp
 import httpx
+import psutil
 import typer
 import uvloop
 from rich.console import Console
@@ -81,6 +83,26 @@ async def throughput(url: str, key: str, seconds: float, concurrency: int, batch
             "p50_ms": 1000 * statistics.median(latencies), "p99_ms": 1000 * percentile(latencies, 0.99)}
 
 
+def settle(settings: Settings, quiet_cores: float, timeout_s: float = 180.0) -> float:
+    """Wait until the stack together uses less than `quiet_cores` of CPU over 2 s (vLLM's
+    warm-up and the learner's start-up run on after `up` is healthy); seconds waited."""
+    started = time.perf_counter()
+    processes = []
+    for component in read_manifest(settings).components:
+        root = psutil.Process(component.pid)
+        processes += [root, *root.children(recursive=True)]
+
+    def cpu_seconds() -> float:
+        return sum(sum(p.cpu_times()[:2]) for p in processes if p.is_running())
+
+    while time.perf_counter() - started < timeout_s:
+        before = cpu_seconds()
+        time.sleep(2)
+        if cpu_seconds() - before < 2 * quiet_cores:
+            break
+    return time.perf_counter() - started
+
+
 def visibility(settings: Settings, key: str, samples: int) -> dict:
     api = settings.url(settings.ports.api) + "/v1/ingestion"
     sink = settings.url(settings.ports.sink) + "/sql"
@@ -105,13 +127,15 @@ def visibility(settings: Settings, key: str, samples: int) -> dict:
 
 
 def main(seconds: float = 30.0, concurrency: int = 8, batch_size: int = 100, visibility_samples: int = 40,
-         burst_only: bool = typer.Option(False, help="Only the throughput phase: no catch-up, no visibility.")) -> None:
+         burst_only: bool = typer.Option(False, help="Only the throughput phase: no catch-up, no visibility."),
+         quiet_cores: float = typer.Option(0.25, help="Start the burst once the stack uses less CPU than this.")) -> None:
     settings = Settings()
     started_here = read_manifest(settings) is None
     if started_here:
         up(settings, say=console.print)
     try:
         key = json.loads((settings.data_dir / "dev-keys.json").read_text())["tenant_key"]
+        console.print(f"the stack settled in {settle(settings, quiet_cores):.0f} s")
         console.print(f"sending batches of {batch_size} for {seconds:.0f} s from {concurrency} clients")
         result = uvloop.run(throughput(settings.url(settings.ports.api), key, seconds, concurrency, batch_size))
         console.print(f"accepted {result['events_per_s']:,.0f} events/s; per batch p50 {result['p50_ms']:.1f} ms, "

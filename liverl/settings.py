@@ -126,6 +126,10 @@ class ServingConfig(BaseModel):
     )
     kv_cache_gib: int = Field(1, description="VLLM_CPU_KVCACHE_SPACE per CPU replica (GiB).")
     cpu_threads: int = Field(1, description="OMP threads per CPU replica.")
+    executor: Literal["uni", "mp"] = Field(
+        "uni", description="vLLM executor: uni runs the model in the engine-core process; mp (vLLM's CPU "
+        "default) in a worker process that spins a core for a second after every message.",
+    )
     max_model_len: int = Field(512, description="Longest prompt + completion served.")
     dtype: str = Field("float32", description="Compute dtype of the replicas (fp32 on CPU).")
     start_timeout_s: float = Field(240.0, description="How long a replica may take to start.")

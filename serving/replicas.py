@@ -69,10 +69,9 @@ def replica_command(settings: Settings, model_dir: Path, port: int) -> list[str]
         "--max-logprobs", "20", "--disable-uvicorn-access-log",
         # Loads new weights in place correctly (stock reload corrupts MoE experts on CPU).
         "--worker-extension-cls", "serving.inplace.InplaceWeightsExtension",
-        # The worker inside the engine-core process: vLLM's multiprocess executor has its
-        # worker spin for a second after every message (a core-second per idle second on
-        # CPU) and adds a process hop to every step and every weight-load call.
-        "--distributed-executor-backend", "uni",
+        # uni: the model in the engine-core process, one process hop fewer on every step
+        # and every weight-load call (docs/benchmarks.md, Swap commit).
+        "--distributed-executor-backend", s.executor,
     ]
 
 
@@ -83,9 +82,9 @@ def replica_env(settings: Settings) -> dict[str, str]:
         VLLM_CPU_KVCACHE_SPACE=str(s.kv_cache_gib),
         OMP_NUM_THREADS=str(s.cpu_threads),
         VLLM_CPU_OMP_THREADS_BIND="nobind",
-        # Lets the CPU platform keep the "uni" executor (the API server still runs the
-        # engine core in its own process).
-        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        # Lets the CPU platform keep the "uni" executor (the engine core still runs in a
+        # process of its own beside the API server).
+        VLLM_ENABLE_V1_MULTIPROCESSING="0" if s.executor == "uni" else "1",
         # /pause, /resume, /collective_rpc for swaps.
         VLLM_SERVER_DEV_MODE="1",
         VLLM_NO_USAGE_STATS="1",

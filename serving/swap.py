@@ -132,17 +132,28 @@ def drain_in_flight(url: str, timeout_s: float) -> float:
     return time.time() - t
 
 
-def load_in_place(url: str, model_dir: Path) -> None:
-    """Pause keeping in-flight requests, load, drop stale KV, resume."""
+def load_in_place(url: str, model_dir: Path) -> dict[str, float]:
+    """Pause keeping in-flight requests, load, drop stale KV, resume; seconds per step
+    (`worker_load` is the load as timed inside vLLM's worker)."""
+    steps: dict[str, float] = {}
+
+    def step(name: str, path: str, **request: object) -> httpx.Response:
+        t = time.perf_counter()
+        response = http.post(path, **request).raise_for_status()
+        steps[name] = time.perf_counter() - t
+        return response
+
     with httpx.Client(base_url=url, timeout=120) as http:
         # clear_cache=false: it only clears the multimodal input cache, through a busy executor
-        http.post("/pause", params={"mode": "keep", "clear_cache": "false"}).raise_for_status()
+        step("pause", "/pause", params={"mode": "keep", "clear_cache": "false"})
         try:
-            http.post("/collective_rpc", json={"method": "inplace_load_weights_from_dir",
-                                               "kwargs": {"path": str(model_dir)}}).raise_for_status()
-            http.post("/reset_prefix_cache", params={"reset_running_requests": "true"}).raise_for_status()
+            loaded = step("load", "/collective_rpc", json={"method": "inplace_load_weights_from_dir",
+                                                           "kwargs": {"path": str(model_dir)}})
+            steps["worker_load"] = loaded.json()["results"][0]["load_s"]
+            step("reset", "/reset_prefix_cache", params={"reset_running_requests": "true"})
         finally:
-            http.post("/resume").raise_for_status()
+            step("resume", "/resume")
+    return steps
 
 
 def swap_in_place(settings: Settings, name: str, version: str, model_dir: Path) -> SwapReport:
