@@ -127,8 +127,9 @@ class ServingConfig(BaseModel):
     kv_cache_gib: int = Field(1, description="VLLM_CPU_KVCACHE_SPACE per CPU replica (GiB).")
     cpu_threads: int = Field(1, description="OMP threads per CPU replica.")
     executor: Literal["uni", "mp"] = Field(
-        "uni", description="vLLM executor: uni runs the model in the engine-core process; mp (vLLM's CPU "
-        "default) in a worker process that spins a core for a second after every message.",
+        "uni", description="vLLM executor: uni runs the model in the engine-core process (one device "
+        "per replica); mp, vLLM's CPU default and what tensor parallelism needs, in worker processes "
+        "that spin a core for a second after every message.",
     )
     max_model_len: int = Field(512, description="Longest prompt + completion served.")
     dtype: str = Field("float32", description="Compute dtype of the replicas (fp32 on CPU).")
