@@ -13,12 +13,13 @@ staging and loads the registry's full directory; the swap records why.)
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
 from pydantic import BaseModel, Field
 
 from liverl.settings import Settings
-from policies.registry import Registry
+from policies.registry import PolicyVersion, Registry
 from serving.replicas import read_pool
 from sync.records import OBJECT_PREFIXES, VersionRecord, read_records, record_key, write_record
 from sync.replica import replica_states
@@ -52,10 +53,14 @@ def needs(settings: Settings, registry: Registry) -> Needs:
     return Needs(protected=held | pending | aliases | set(rollback), held=held)
 
 
+def newest(versions: Iterable[VersionRecord | PolicyVersion], keep_versions: int) -> set[str]:
+    """The `keep_versions` newest, by sequence number."""
+    return {v.version for v in sorted(versions, key=lambda v: v.seq)[-keep_versions:]}
+
+
 def retained(records: dict[str, VersionRecord], keep_versions: int, needs: Needs) -> dict[str, VersionRecord]:
     """The records to keep, each trimmed to the objects still needed."""
-    newest = sorted(records.values(), key=lambda r: r.seq)[-keep_versions:]
-    wanted = {r.version for r in newest} | (needs.protected & set(records))
+    wanted = newest(records.values(), keep_versions) | (needs.protected & set(records))
     kept = set(wanted)  # wanted versions and those on their way
     deltas: set[str] = set()  # versions whose delta (from their parent) is kept
     snapshots: set[str] = set()
@@ -94,7 +99,7 @@ def collect(store: DeltaStore, keep_versions: int, needs: Needs) -> Collected:
 def drop_old_weights(registry: Registry, keep_versions: int, needs: Needs) -> list[str]:
     """The registry's full directories by the same rule: the newest and what is needed stay."""
     versions = registry.versions()
-    kept = {v.version for v in sorted(versions, key=lambda v: v.seq)[-keep_versions:]} | needs.protected
+    kept = newest(versions, keep_versions) | needs.protected
     dropped = []
     for version in versions:
         if version.version not in kept and Path(version.model_dir).exists():
