@@ -89,7 +89,8 @@ def status(data_dir: Optional[Path] = DataDir, as_json: bool = typer.Option(Fals
     if not report["running"]:
         console.print("liverl is not running")
         raise typer.Exit(1)
-    print_rows([{k: c[k] for k in ("name", "pid", "url", "healthy", "policy_version")}
+    # Only replicas serve a policy version; the other components have none to show.
+    print_rows([{k: c.get(k) for k in ("name", "pid", "url", "healthy", "policy_version")}
                 for c in report["components"]], f"cluster {report['cluster_id']}")
     console.print(f"development keys: {report['keys_file']}")
 

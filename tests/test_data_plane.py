@@ -211,6 +211,8 @@ def test_status_reports_every_component(settings):
     assert all(c["healthy"] for c in names.values())
     assert names["replica-0"]["policy_version"].startswith("v")
     assert report["keys_file"].endswith("dev-keys.json")
+    table = liverl(settings, "status")
+    assert table.returncode == 0 and "replica-0" in table.stdout and "api" in table.stdout, table.stderr
     # The stream yields to ingest and serving: niced, and on the CPUs it was given.
     for background in ("sink", "feedback"):
         pid = names[background]["pid"]
