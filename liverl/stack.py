@@ -26,7 +26,7 @@ from pydantic import BaseModel
 from liverl.contracts import Topics
 from liverl.kafka import ensure_topics, group_lag
 from liverl.keys import KeyStore
-from liverl.process import alive, spawn, stop_pid, wait_until
+from liverl.process import alive, spawn, stop_pid, wait_until, yield_cpu
 from liverl.settings import EmbeddedBroker, Settings
 from policies.registry import Registry
 from serving.replicas import Pool, ReplicaError, launch_replica, read_pool, wait_replica, write_pool
@@ -136,6 +136,8 @@ class Launcher:
             if self.settings.stream_cpus:
                 argv = ["taskset", "-c", ",".join(map(str, self.settings.stream_cpus)), *argv]
         process = self.spawn(name, argv, child_env(self.settings), url)
+        if background:
+            yield_cpu(process.pid, self.settings.stream_nice)
         health = url + ("/" if name == "feedback" else "/health")
         self.wait(name, process, lambda: httpx.get(health, timeout=2).status_code == 200,
                   self.settings.start_timeout_s)

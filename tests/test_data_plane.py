@@ -217,6 +217,9 @@ def test_status_reports_every_component(settings):
     for background in ("sink", "feedback"):
         pid = names[background]["pid"]
         assert os.getpriority(os.PRIO_PROCESS, pid) == settings.stream_nice
+        autogroup = f"/proc/{pid}/autogroup"  # the session's nice is what counts there
+        if os.path.exists(autogroup):
+            assert open(autogroup).read().split()[-1] == str(settings.stream_nice)
         assert os.sched_getaffinity(pid) == set(settings.stream_cpus)
 
 
