@@ -30,6 +30,20 @@ def importance_weights(
     raise ValueError(f"importance mode must be 'tis' or 'mask', not {mode!r}")
 
 
+def version_minibatches(order: list[int], minibatch: int, max_steps: int) -> list[list[int]]:
+    """One version's gradient steps over `order`: `minibatch` sequences each, unless that
+    would take more than `max_steps` steps; then `max_steps` larger ones.
+
+    Each Adam step moves the policy about lr whatever the batch, so the step count bounds
+    how far a version drifts from the versions that served its samples (one or two back
+    under asynchronous serving). Unbounded, a busy hour's big batch drifts far enough
+    that pi/mu leaves the truncation range and the off-policy correction throws the
+    signal away (docs/benchmarks.md, Demo).
+    """
+    size = max(minibatch, -(-len(order) // max_steps))  # ceil division
+    return [order[start : start + size] for start in range(0, len(order), size)]
+
+
 def group_advantages(rewards: torch.Tensor, group_ids: list[str]) -> torch.Tensor:
     """GRPO (Shao et al. 2024): reward minus its group's mean, over the group's std.
 

@@ -18,7 +18,7 @@ from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from learner import router_replay
-from learner.rl import RunningBaseline, group_advantages, policy_gradient_loss
+from learner.rl import RunningBaseline, group_advantages, policy_gradient_loss, version_minibatches
 from liverl.contracts import RewardedSample
 from liverl.settings import LearnerConfig
 
@@ -145,8 +145,8 @@ class Trainer:
         parent = self.snapshot() if self.config.kl_coef > 0 else None  # the KL reference
         for epoch in range(self.config.epochs):
             rng.shuffle(order)
-            for start in range(0, len(order), self.config.minibatch):
-                idx, share, normalizer = self.shard(order[start : start + self.config.minibatch], samples)
+            for step in version_minibatches(order, self.config.minibatch, self.config.max_steps_per_version):
+                idx, share, normalizer = self.shard(step, samples)
                 batch = collate([samples[i] for i in idx], self.tokenizer.pad_token_id, self.layers, self.top_k)
                 routing = batch.routing if self.config.router_replay else None
                 with router_replay.replay(self.model, routing):

@@ -177,7 +177,13 @@ class LearnerConfig(BaseModel):
     is_threshold: float = Field(2.0, description="Truncation / mask threshold of pi/mu.")
     kl_coef: float = Field(0.0, description="Weight of KL(pi || parent) per token; 0 disables it.")
     lr: float = Field(1e-5, description="Adam learning rate on the fp32 master weights.")
-    minibatch: int = Field(16, description="Sequences per gradient step.")
+    minibatch: int = Field(
+        16, description="Sequences per gradient step (more when a batch needs more steps than the next allows).",
+    )
+    max_steps_per_version: int = Field(
+        6, ge=1, description="Most gradient steps one version takes, so the policy drifts a bounded "
+        "amount from the versions that served its samples; a bigger batch gets bigger minibatches.",
+    )
     epochs: int = Field(1, description="Passes over a version's batch.")
     router_replay: bool = Field(True, description="Force served routing where trajectories carry it.")
     excluded_tenants: list[str] = Field(

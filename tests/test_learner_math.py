@@ -13,6 +13,7 @@ from learner.rl import (
     importance_weights,
     kl_to_reference,
     policy_gradient_loss,
+    version_minibatches,
 )
 from policies.offline_eval import offline_check, snis
 
@@ -44,6 +45,14 @@ def test_group_advantages_are_relative_within_groups():
     assert adv[0] > 0 > adv[1]
     assert adv[2] == adv[3] == 0  # a group that all agree teaches nothing
     assert adv[4] == 0            # a lone completion has no group baseline
+
+
+def test_a_version_takes_a_bounded_number_of_steps_over_every_sample_once():
+    small = version_minibatches(list(range(40)), minibatch=16, max_steps=6)
+    assert [len(s) for s in small] == [16, 16, 8]  # the minibatch as set when it fits
+    busy = version_minibatches(list(range(1000)), minibatch=16, max_steps=6)
+    assert len(busy) == 6 and sorted(i for s in busy for i in s) == list(range(1000))
+    assert version_minibatches([], minibatch=16, max_steps=6) == []
 
 
 def test_running_baseline_uses_only_past_rewards():
