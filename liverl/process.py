@@ -30,7 +30,7 @@ def spawn(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
 
 
 def yield_cpu(pid: int, nice: int) -> None:
-    """Give a spawned component's session `nice`, as well as its process.
+    """Give a spawned component's whole session the niceness its process runs at.
 
     With Linux's autogroup scheduling (on by default on desktops and many VMs) each
     session competes for the CPU as one entity at the session's own nice, so a niced
