@@ -30,6 +30,7 @@ from rich.table import Table
 
 from liverl.settings import Settings
 from liverl.stack import down, drain, read_manifest, up
+from serving.replicas import read_pool
 
 console = Console()
 
@@ -88,8 +89,10 @@ def settle(settings: Settings, quiet_cores: float, timeout_s: float = 180.0) -> 
     warm-up and the learner's start-up run on after `up` is healthy); seconds waited."""
     started = time.perf_counter()
     processes = []
-    for component in read_manifest(settings).components:
-        root = psutil.Process(component.pid)
+    # The replicas are in the pool, not the manifest: their warm-up is what lasts longest.
+    pids = [c.pid for c in read_manifest(settings).components] + [r.pid for r in read_pool(settings).replicas if r.pid]
+    for pid in pids:
+        root = psutil.Process(pid)
         processes += [root, *root.children(recursive=True)]
 
     def cpu_seconds() -> float:
