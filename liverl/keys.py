@@ -100,6 +100,22 @@ class KeyStore:
 
 
 
+def admin_key(settings) -> str:
+    """The operator's admin key: `LIVERL_ADMIN_KEY`, else the one `liverl up` wrote to the
+    dev keys file. The CLI, `down`'s flush and the demo call admin endpoints with it."""
+    if key := os.environ.get("LIVERL_ADMIN_KEY"):
+        return key
+    try:
+        return json.loads(settings.dev_keys_file.read_text())["admin_key"]
+    except (FileNotFoundError, KeyError) as error:
+        raise RuntimeError(f"no admin key: set LIVERL_ADMIN_KEY or start the stack once so "
+                           f"{settings.dev_keys_file} exists ({error})") from None
+
+
+def admin_headers(settings) -> dict[str, str]:
+    return {"Authorization": f"Bearer {admin_key(settings)}"}
+
+
 # --- FastAPI dependencies -----------------------------------------------------------
 async def key_store(request: Request) -> KeyStore:
     return request.app.state.keys

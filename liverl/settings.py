@@ -138,6 +138,12 @@ class ServingConfig(BaseModel):
     no_replica_wait_s: float = Field(
         30.0, description="How long a request waits for a replica while every one is swapping."
     )
+    tenant_requests_per_s: float = Field(
+        200.0, ge=0, description="Completions per second one tenant may request through one gateway process (0: unlimited); more is answered 429.",
+    )
+    tenant_requests_burst: float = Field(
+        400.0, gt=0, description="Requests one tenant may send at once before its rate applies.",
+    )
     swap: Literal["inplace", "restart"] = Field(
         "inplace", description="Load new weights into the running engine, or blue/green restart."
     )
@@ -165,6 +171,12 @@ class IngestConfig(BaseModel):
     max_item_bytes: int = Field(64 * 1024, description="Largest accepted item, in JSON bytes of the event written to Kafka.")
     max_body_bytes: int = Field(16 * 1024 * 1024, description="Largest request body accepted.")
     delivery_timeout_s: float = Field(30.0, description="How long an item may wait for the broker's ack before it is answered 503.")
+    tenant_events_per_s: float = Field(
+        50_000.0, ge=0, description="Events per second one tenant may send to one API process (0: unlimited); more is answered 429.",
+    )
+    tenant_events_burst: float = Field(
+        100_000.0, gt=0, description="Events one tenant may send at once before its rate applies.",
+    )
 
 
 class LearnerConfig(BaseModel):
@@ -252,6 +264,16 @@ class Settings(BaseSettings):
     @property
     def keys_file(self) -> Path:
         return self.data_dir / "keys.json"
+
+    @property
+    def audit_file(self) -> Path:
+        """The append-only log of every admin action (liverl.audit)."""
+        return self.data_dir / "audit.db"
+
+    @property
+    def dev_keys_file(self) -> Path:
+        """The development tenant and admin keys in plaintext, 0600, written by `liverl up`."""
+        return self.data_dir / "dev-keys.json"
 
     @property
     def policies_dir(self) -> Path:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import httpx
@@ -29,12 +30,14 @@ def starter_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def settings(tmp_path_factory: pytest.TempPathFactory, starter_dir: Path) -> Settings:
-    # Ports away from the defaults, so a developer's own stack keeps running.
+    # Ports away from the defaults, so a developer's own stack keeps running; another
+    # LIVERL_TEST_PORT_OFFSET lets two suites run side by side.
+    offset = int(os.environ.get("LIVERL_TEST_PORT_OFFSET", "0"))
     return Settings(
         data_dir=tmp_path_factory.mktemp("liverl"),
-        ports=PortsConfig(api=28080, gateway=28000, sink=28090, feedback=28070, learner=28060,
-                          replica_base=28100),
-        broker=EmbeddedBroker(port=29092),
+        ports=PortsConfig(api=28080 + offset, gateway=28000 + offset, sink=28090 + offset,
+                          feedback=28070 + offset, learner=28060 + offset, replica_base=28100 + offset),
+        broker=EmbeddedBroker(port=29092 + offset),
         starter=StarterPolicyConfig(model_dir=starter_dir),
         # Two replicas: swaps roll out canary first, and one serves while the other swaps.
         serving=ServingConfig(replicas=2, kv_cache_gib=1),
