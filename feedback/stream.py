@@ -2,7 +2,9 @@
 
 Trajectories and feedback are both keyed by completion_id on co-partitioned topics,
 so one agent sees everything about a completion, and one table (changelogged to
-Kafka, so it survives a restart) holds its state:
+Kafka, so it survives a restart) holds its state, per tenant and completion (a
+completion id is the tenant's own name: another tenant using the same id shares
+nothing with it):
 
     {"trajectory": {...} | None, "feedback": [...], "event_ids": [...],
      "revision": -1, "closed": False, "first_seen": epoch seconds}
@@ -68,10 +70,17 @@ incoming = app.topic(Topics.TRAJECTORIES, Topics.FEEDBACK, Topics.WINDOW_CLOSE, 
 window_close = app.topic(Topics.WINDOW_CLOSE, **raw)
 samples_topic = app.topic(Topics.SAMPLES, **raw)
 dead_letters = app.topic(Topics.DEAD_LETTER, **raw)
-# Keyed by completion_id (str), JSON state; partitioned like the incoming topics.
+# Keyed by join_key(tenant, completion_id), JSON state; partitioned like the incoming
+# topics (the Kafka key stays the completion_id).
 completions = app.Table("completions", default=None)
 # Keys sent to WINDOW_CLOSE and not yet closed, so each sweep does not resend them.
 closing: set[str] = set()
+
+
+def join_key(tenant: str, completion_id: str) -> str:
+    """The tenant-scoped name of a completion: the table key and the sample id.
+    Unambiguous because tenant names hold no ':' (liverl.keys)."""
+    return f"{tenant}:{completion_id}"
 
 
 async def dead_letter(topic: str, reason: str, payload: bytes, tenant: str | None = None) -> None:
@@ -85,10 +94,11 @@ async def dead_letter(topic: str, reason: str, payload: bytes, tenant: str | Non
 async def emit(state: dict[str, Any], result: RewardResult, source: str) -> None:
     trajectory = Trajectory.model_validate(state["trajectory"])
     state["revision"] += 1
+    sample_id = join_key(trajectory.tenant, trajectory.completion_id)
     sample = RewardedSample(
-        sample_id=trajectory.completion_id,
+        sample_id=sample_id,
         revision=state["revision"],
-        event_id=f"{trajectory.completion_id}:r{state['revision']}",
+        event_id=f"{sample_id}:r{state['revision']}",
         tenant=trajectory.tenant,
         reward=result.reward,
         reward_source=source,
@@ -120,7 +130,7 @@ async def join(stream):
         topic, raw = event.message.topic, event.value
         try:
             if topic == Topics.WINDOW_CLOSE:
-                await close_window(event.key.decode())
+                await close_window(join_key(raw.decode(), event.key.decode()))
             else:
                 await handle(topic, raw)
         except Exception as error:  # one poisoned event must not stop the join
@@ -134,7 +144,8 @@ async def handle(topic: str, raw: bytes) -> None:
     except ValidationError as error:
         await dead_letter(topic, f"malformed: {error.errors()[0]['msg']}", raw)
         return
-    key = (parsed.completion_id if isinstance(parsed, Trajectory) else parsed.body.completion_id)
+    completion_id = parsed.completion_id if isinstance(parsed, Trajectory) else parsed.body.completion_id
+    key = join_key(parsed.tenant, completion_id)
     state = completions.get(key) or {
         "trajectory": None, "feedback": [], "event_ids": [], "revision": -1,
         "closed": False, "first_seen": time.time(),
@@ -142,24 +153,14 @@ async def handle(topic: str, raw: bytes) -> None:
     if parsed.event_id in state["event_ids"]:
         EVENTS.labels(topic, "duplicate").inc()
         return
-    owner = state["trajectory"]["tenant"] if state["trajectory"] else None
     if isinstance(parsed, Trajectory):
         if state["trajectory"] is not None:
             await dead_letter(topic, "a trajectory with this completion_id exists", raw, parsed.tenant)
             return
         state["trajectory"] = parsed.model_dump(mode="json")
-        # Feedback that waited for this trajectory but came from another tenant is not
-        # this tenant's to give.
-        for f in [f for f in state["feedback"] if f["tenant"] != parsed.tenant]:
-            state["feedback"].remove(f)
-            await dead_letter(Topics.FEEDBACK, "tenant does not own this completion",
-                              encode(FeedbackEvent.model_validate(f)), f["tenant"])
         if state["feedback"]:
             await score_and_emit(state)
     else:
-        if owner is not None and parsed.tenant != owner:
-            await dead_letter(topic, "tenant does not own this completion", raw, parsed.tenant)
-            return
         if len(state["feedback"]) >= settings.feedback.max_feedback_per_completion:
             # The whole state is rewritten to the changelog on every event: unbounded,
             # one chatty completion would cost quadratic time and broker memory.
@@ -193,7 +194,10 @@ async def sweep() -> None:
     for key, state in list(completions.items()):
         if key not in closing and window_due(state, now):
             closing.add(key)
-            await window_close.send(key=key.encode(), value=b"")
+            # Keyed by the completion id, like the incoming topics, so the close reaches
+            # the agent that owns this table key; the tenant rides in the value.
+            tenant, completion_id = key.split(":", 1)
+            await window_close.send(key=completion_id.encode(), value=tenant.encode())
 
 
 async def close_window(key: str) -> None:

@@ -307,5 +307,20 @@ def learner_resume(data_dir: Optional[Path] = DataDir) -> None:
     learner_call(data_dir, "resume")
 
 
+def main() -> None:
+    """The `liverl` command; a bad setting is one line naming its variable, not a traceback."""
+    from pydantic import ValidationError
+
+    from liverl.settings import describe_error
+
+    try:
+        app()
+    except ValidationError as error:
+        if error.title not in ("Settings", "WithDefaults"):
+            raise
+        console.print(f"[red]error:[/red] {describe_error(error)}", soft_wrap=True)
+        raise SystemExit(1) from None
+
+
 if __name__ == "__main__":
-    app()
+    main()

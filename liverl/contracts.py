@@ -48,6 +48,8 @@ class Strict(BaseModel):
 
 
 Id = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:\-]+$")]
+# An id prefixed with its tenant (samples): room for a tenant, ':', an Id and a suffix.
+ScopedId = Annotated[str, Field(min_length=1, max_length=300, pattern=r"^[A-Za-z0-9._:\-]+$")]
 
 
 # --- What the gateway records about each completion -------------------------------------
@@ -188,9 +190,10 @@ class FeedbackEvent(Strict):
 class RewardedSample(Strict):
     """A trajectory with its shaped reward: the learner's input."""
 
-    sample_id: Id = Field(description="= completion_id; revisions share it.")
+    sample_id: ScopedId = Field(description="'<tenant>:<completion_id>': completion ids are the "
+                                "tenant's own names; revisions share it.")
     revision: int = Field(0, description="Later feedback re-emits the sample with revision+1.")
-    event_id: Id = Field(description="Unique per (sample_id, revision).")
+    event_id: ScopedId = Field(description="Unique per (sample_id, revision).")
     schema_version: int = SCHEMA_VERSION
     tenant: Id
     timestamp: datetime = Field(default_factory=utcnow)

@@ -27,7 +27,7 @@ from rich.live import Live
 from rich.table import Table
 
 from liverl.client import FeedbackClient
-from liverl.settings import Settings
+from liverl.settings import Settings, settings_with_defaults
 from policies.registry import Registry
 
 VERSION_SQL = """SELECT policy_version, sum(samples) AS n,
@@ -290,13 +290,9 @@ def run_demo(settings: Settings, minutes: float, users: int, seed: int, max_toke
 
 def demo_settings() -> Settings:
     """The demo's stack: its own data directory, fast cadence, automatic promotion."""
-    settings = Settings()
-    settings.data_dir = settings.data_dir / "demo"
-    settings.learner.batch_samples = 96
-    settings.learner.lr = 3e-4
-    settings.learner.auto_promote = True
-    settings.learner.max_version_lag = 3
-    settings.learner.gate_min_ess = 5.0
-    settings.learner.gate_margin = 0.1
-    settings.feedback.reward_window_s = 300.0
-    return settings
+    defaults = {
+        "learner": {"batch_samples": 96, "lr": 3e-4, "auto_promote": True, "max_version_lag": 3,
+                    "gate_min_ess": 5.0, "gate_margin": 0.1},
+        "feedback": {"reward_window_s": 300.0},
+    }  # the demo's own defaults: `LIVERL_*` variables still override each of them
+    return settings_with_defaults(defaults, data_dir=Settings().data_dir / "demo")

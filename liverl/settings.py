@@ -7,72 +7,98 @@ CLI flags. Each embedded-or-server choice is a discriminated union of small conf
 
 from __future__ import annotations
 
+import json
 from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import (BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_serializer,
+                      model_validator)
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
+Port = Annotated[int, Field(ge=1, le=65535)]
+Fraction = Annotated[float, Field(ge=0.0, lt=1.0)]
+
+
+class Config(BaseModel):
+    """A section of the settings: a misspelt field is an error, and so is a bad value
+    assigned after construction (the CLI's flags are assigned)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def reveal_secret(value: SecretStr | None, info) -> str | None:
+    """Secrets stay out of every dump (the settings file, logs) unless the dump is the
+    environment of a child process, which asks with context {"secrets": True}."""
+    if value is None:
+        return None
+    return value.get_secret_value() if (info.context or {}).get("secrets") else "**********"
+
 
 # --- Kafka-protocol broker ---------------------------------------------------------
-class EmbeddedBroker(BaseModel):
+class EmbeddedBroker(Config):
     """Tansu, started by `liverl up`; topics live in memory (see README)."""
 
     kind: Literal["embedded"] = "embedded"
-    port: int = Field(19092, description="Port the embedded Tansu broker listens on.")
-    partitions: int = Field(2, description="Partitions per topic created at start.")
+    port: Port = Field(19092, description="Port the embedded Tansu broker listens on.")
+    partitions: int = Field(2, ge=1, description="Partitions per topic created at start.")
 
     @property
     def bootstrap(self) -> str:
         return f"127.0.0.1:{self.port}"
 
 
-class KafkaBroker(BaseModel):
+class KafkaBroker(Config):
     """An external Apache Kafka cluster (production)."""
 
     kind: Literal["kafka"] = "kafka"
     bootstrap: str = Field("kafka:9092", description="Comma-separated bootstrap servers.")
-    partitions: int = Field(6, description="Partitions per topic when liverl creates them.")
-    replication_factor: int = Field(3, description="Replication factor for created topics.")
+    partitions: int = Field(6, ge=1, description="Partitions per topic when liverl creates them.")
+    replication_factor: int = Field(3, ge=1, description="Replication factor for created topics.")
 
+
+SECRET_FIELDS = {"warehouse": {"password"}, "delta_store": {"secret_access_key"}}
 
 BrokerConfig = Annotated[Union[EmbeddedBroker, KafkaBroker], Field(discriminator="kind")]
 
 
 # --- ClickHouse ------------------------------------------------------------------------
-class ChdbWarehouse(BaseModel):
+class ChdbWarehouse(Config):
     """Embedded ClickHouse (chdb), owned by the sink process (one process per path)."""
 
     kind: Literal["chdb"] = "chdb"
     subdir: str = Field("chdb", description="Data path, relative to the data directory.")
 
 
-class ClickHouseServer(BaseModel):
+class ClickHouseServer(Config):
     """A clickhouse-server reached with clickhouse-connect (production)."""
 
     kind: Literal["server"] = "server"
     host: str = Field("clickhouse", description="ClickHouse server host.")
-    port: int = Field(8123, description="ClickHouse HTTP port.")
+    port: Port = Field(8123, description="ClickHouse HTTP port.")
     username: str = Field("default", description="ClickHouse user.")
-    password: str = Field("", description="ClickHouse password (never logged).")
+    password: SecretStr | None = Field(
+        None, description="ClickHouse password: from LIVERL_WAREHOUSE__PASSWORD, never written to a file or log.",
+    )
     database: str = Field("liverl", description="Database holding liverl's tables.")
+
+    _password = field_serializer("password")(reveal_secret)
 
 
 WarehouseConfig = Annotated[Union[ChdbWarehouse, ClickHouseServer], Field(discriminator="kind")]
 
 
 # --- Delta store -------------------------------------------------------------------------
-class LocalDeltaStore(BaseModel):
+class LocalDeltaStore(Config):
     """Policy deltas and snapshots in a local directory."""
 
     kind: Literal["local"] = "local"
     subdir: str = Field("deltas", description="Store path, relative to the data directory.")
 
 
-class S3DeltaStore(BaseModel):
+class S3DeltaStore(Config):
     """Policy deltas and snapshots in an S3-compatible bucket (production)."""
 
     kind: Literal["s3"] = "s3"
@@ -80,13 +106,17 @@ class S3DeltaStore(BaseModel):
     bucket: str = Field("liverl-policies", description="Bucket holding deltas and snapshots.")
     prefix: str = Field("", description="Key prefix inside the bucket.")
     access_key_id: str | None = Field(None, description="Access key (never logged).")
-    secret_access_key: str | None = Field(None, description="Secret key (never logged).")
+    secret_access_key: SecretStr | None = Field(
+        None, description="Secret key: from LIVERL_DELTA_STORE__SECRET_ACCESS_KEY, never written to a file or log.",
+    )
+
+    _secret = field_serializer("secret_access_key")(reveal_secret)
 
 
 DeltaStoreConfig = Annotated[Union[LocalDeltaStore, S3DeltaStore], Field(discriminator="kind")]
 
 
-class SyncConfig(BaseModel):
+class SyncConfig(Config):
     """How policy versions travel from the learner to the replicas (sync/)."""
 
     transport: Literal["delta", "full"] = Field(
@@ -98,16 +128,16 @@ class SyncConfig(BaseModel):
 
 
 # --- Components ----------------------------------------------------------------------------
-class PortsConfig(BaseModel):
-    api: int = Field(18080, description="Ingest + admin API port.")
-    gateway: int = Field(18000, description="OpenAI-compatible serving gateway port.")
-    sink: int = Field(18090, description="Analytics sink (ClickHouse owner) port.")
-    feedback: int = Field(18070, description="Faust feedback worker web port.")
-    learner: int = Field(18060, description="Learner metrics/admin port.")
-    replica_base: int = Field(18100, description="First vLLM replica port; replica i uses base+i.")
+class PortsConfig(Config):
+    api: Port = Field(18080, description="Ingest + admin API port.")
+    gateway: Port = Field(18000, description="OpenAI-compatible serving gateway port.")
+    sink: Port = Field(18090, description="Analytics sink (ClickHouse owner) port.")
+    feedback: Port = Field(18070, description="Faust feedback worker web port.")
+    learner: Port = Field(18060, description="Learner metrics/admin port.")
+    replica_base: Port = Field(18100, description="First vLLM replica port; replica i uses base+i.")
 
 
-class StarterPolicyConfig(BaseModel):
+class StarterPolicyConfig(Config):
     """The locally built Qwen3-MoE the embedded default serves first."""
 
     seed: int = Field(0, description="Seed for tokenizer corpus order, init and mid-training.")
@@ -119,24 +149,24 @@ class StarterPolicyConfig(BaseModel):
     )
 
 
-class ServingConfig(BaseModel):
-    replicas: int = Field(1, description="vLLM replicas behind the gateway.")
+class ServingConfig(Config):
+    replicas: int = Field(1, ge=1, le=64, description="vLLM replicas behind the gateway.")
     python: Path = Field(
         REPO_ROOT / ".venv-serving/bin/python", description="Interpreter of the serving env."
     )
-    kv_cache_gib: int = Field(1, description="VLLM_CPU_KVCACHE_SPACE per CPU replica (GiB).")
-    cpu_threads: int = Field(1, description="OMP threads per CPU replica.")
+    kv_cache_gib: int = Field(1, ge=1, description="VLLM_CPU_KVCACHE_SPACE per CPU replica (GiB).")
+    cpu_threads: int = Field(1, ge=1, description="OMP threads per CPU replica.")
     executor: Literal["uni", "mp"] = Field(
         "uni", description="vLLM executor: uni runs the model in the engine-core process (one device "
         "per replica); mp, vLLM's CPU default and what tensor parallelism needs, in worker processes "
         "that spin a core for a second after every message.",
     )
-    max_model_len: int = Field(512, description="Longest prompt + completion served.")
+    max_model_len: int = Field(512, ge=16, description="Longest prompt + completion served.")
     dtype: str = Field("float32", description="Compute dtype of the replicas (fp32 on CPU).")
-    start_timeout_s: float = Field(240.0, description="How long a replica may take to start.")
-    request_timeout_s: float = Field(120.0, description="Gateway -> replica request timeout.")
+    start_timeout_s: float = Field(240.0, gt=0, description="How long a replica may take to start.")
+    request_timeout_s: float = Field(120.0, gt=0, description="Gateway -> replica request timeout.")
     no_replica_wait_s: float = Field(
-        30.0, description="How long a request waits for a replica while every one is swapping."
+        30.0, ge=0, description="How long a request waits for a replica while every one is swapping."
     )
     tenant_requests_per_s: float = Field(
         200.0, ge=0, description="Completions per second one tenant may request through one gateway process (0: unlimited); more is answered 429.",
@@ -148,29 +178,43 @@ class ServingConfig(BaseModel):
         "inplace", description="Load new weights into the running engine, or blue/green restart."
     )
     swap_drain_s: float = Field(
-        5.0, description="How long an in-place swap lets the replica finish its in-flight requests "
+        5.0, ge=0, description="How long an in-place swap lets the replica finish its in-flight requests "
         "on the old weights before pausing whatever is left (kept, re-prefilled on the new ones).",
     )
 
 
-class FeedbackConfig(BaseModel):
+class FeedbackConfig(Config):
+    @model_validator(mode="after")
+    def _sweep_within_window(self):
+        if self.sweep_interval_s > self.reward_window_s:
+            raise ValueError(f"LIVERL_FEEDBACK__SWEEP_INTERVAL_S ({self.sweep_interval_s}) must not exceed "
+                             f"LIVERL_FEEDBACK__REWARD_WINDOW_S ({self.reward_window_s})")
+        return self
+
     reward_window_s: float = Field(
-        3600.0, description="How long after a completion feedback still joins it on time."
+        3600.0, gt=0, description="How long after a completion feedback still joins it on time."
     )
-    sweep_interval_s: float = Field(5.0, description="How often closed windows are swept.")
+    sweep_interval_s: float = Field(5.0, gt=0, description="How often closed windows are swept.")
     max_feedback_per_completion: int = Field(
-        64, description="Feedback events one completion may collect; more go to the dead-letter topic.",
+        64, ge=1, description="Feedback events one completion may collect; more go to the dead-letter topic.",
     )
     reward_config: Path | None = Field(
         None, description="YAML of per-tenant reward functions; None uses the defaults."
     )
 
 
-class IngestConfig(BaseModel):
-    max_batch_items: int = Field(1000, description="Most items accepted in one ingestion batch.")
-    max_item_bytes: int = Field(64 * 1024, description="Largest accepted item, in JSON bytes of the event written to Kafka.")
-    max_body_bytes: int = Field(16 * 1024 * 1024, description="Largest request body accepted.")
-    delivery_timeout_s: float = Field(30.0, description="How long an item may wait for the broker's ack before it is answered 503.")
+class IngestConfig(Config):
+    @model_validator(mode="after")
+    def _item_fits_body(self):
+        if self.max_item_bytes > self.max_body_bytes:
+            raise ValueError(f"LIVERL_INGEST__MAX_ITEM_BYTES ({self.max_item_bytes}) must not exceed "
+                             f"LIVERL_INGEST__MAX_BODY_BYTES ({self.max_body_bytes})")
+        return self
+
+    max_batch_items: int = Field(1000, ge=1, description="Most items accepted in one ingestion batch.")
+    max_item_bytes: int = Field(64 * 1024, ge=1024, description="Largest accepted item, in JSON bytes of the event written to Kafka.")
+    max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="Largest request body accepted.")
+    delivery_timeout_s: float = Field(30.0, gt=0, description="How long an item may wait for the broker's ack before it is answered 503.")
     tenant_events_per_s: float = Field(
         50_000.0, ge=0, description="Events per second one tenant may send to one API process (0: unlimited); more is answered 429.",
     )
@@ -179,43 +223,51 @@ class IngestConfig(BaseModel):
     )
 
 
-class LearnerConfig(BaseModel):
+class LearnerConfig(Config):
+    @model_validator(mode="after")
+    def _batch_bounds(self):
+        if self.min_samples > self.batch_samples:
+            raise ValueError(f"LIVERL_LEARNER__MIN_SAMPLES ({self.min_samples}) must not exceed "
+                             f"LIVERL_LEARNER__BATCH_SAMPLES ({self.batch_samples})")
+        return self
+
     enabled: bool = Field(True, description="Start the learner with the stack.")
-    batch_samples: int = Field(256, description="Train a candidate once this many samples arrived.")
-    max_interval_s: float = Field(3 * 3600.0, description="...or once this long passed with any.")
-    min_samples: int = Field(8, description="Fewest samples worth a version when time is up.")
-    max_version_lag: int = Field(4, description="Drop samples more versions behind than this.")
+    batch_samples: int = Field(256, ge=1, description="Train a candidate once this many samples arrived.")
+    max_interval_s: float = Field(3 * 3600.0, gt=0, description="...or once this long passed with any.")
+    min_samples: int = Field(8, ge=1, description="Fewest samples worth a version when time is up.")
+    max_version_lag: int = Field(4, ge=0, description="Drop samples more versions behind than this.")
     is_mode: Literal["tis", "mask"] = Field("tis", description="Truncated or masked importance sampling.")
-    is_threshold: float = Field(2.0, description="Truncation / mask threshold of pi/mu.")
-    kl_coef: float = Field(0.0, description="Weight of KL(pi || parent) per token; 0 disables it.")
-    lr: float = Field(1e-5, description="Adam learning rate on the fp32 master weights.")
+    is_threshold: float = Field(2.0, ge=1.0, description="Truncation / mask threshold of pi/mu.")
+    kl_coef: float = Field(0.0, ge=0.0, description="Weight of KL(pi || parent) per token; 0 disables it.")
+    lr: float = Field(1e-5, gt=0.0, le=1.0, description="Adam learning rate on the fp32 master weights.")
     minibatch: int = Field(
-        16, description="Sequences per gradient step (more when a batch needs more steps than the next allows).",
+        16, ge=1, description="Sequences per gradient step (more when a batch needs more steps than the next allows).",
     )
     max_steps_per_version: int = Field(
         6, ge=1, description="Most gradient steps one version takes, so the policy drifts a bounded "
         "amount from the versions that served its samples; a bigger batch gets bigger minibatches.",
     )
-    epochs: int = Field(1, description="Passes over a version's batch.")
+    epochs: int = Field(1, ge=1, description="Passes over a version's batch.")
     router_replay: bool = Field(True, description="Force served routing where trajectories carry it.")
     excluded_tenants: list[str] = Field(
         default_factory=list, description="Tenants whose data never trains (still stored and reported)."
     )
     auto_promote: bool = Field(False, description="Promote candidates that pass the offline check.")
-    holdout_fraction: float = Field(0.15, description="Share of samples kept out of training for the gate.")
-    gate_margin: float = Field(0.05, description="Candidate's lower bound may trail the parent by this.")
-    gate_min_ess: float = Field(8.0, description="Fewest effective held-out samples for a verdict.")
-    gate_clip: float = Field(2.0, description="Clip of the per-token geometric-mean sequence weight.")
-    threads: int = Field(1, description="torch CPU threads of the learner.")
+    holdout_fraction: Fraction = Field(0.15, description="Share of samples kept out of training for the gate.")
+    gate_margin: float = Field(0.05, ge=0.0, description="Candidate's lower bound may trail the parent by this.")
+    gate_min_ess: float = Field(8.0, ge=0.0, description="Fewest effective held-out samples for a verdict.")
+    gate_clip: float = Field(2.0, ge=1.0, description="Clip of the per-token geometric-mean sequence weight.")
+    threads: int = Field(1, ge=1, description="torch CPU threads of the learner.")
     probe_tolerance: float = Field(
-        1e-4, description="Max |replica - trainer| logprob on the probe set after a swap."
+        1e-4, gt=0.0, description="Max |replica - trainer| logprob on the probe set after a swap."
     )
 
 
 class Settings(BaseSettings):
     """liverl's settings. Environment: `LIVERL_<FIELD>`, nested with `__`."""
 
-    model_config = SettingsConfigDict(env_prefix="LIVERL_", env_nested_delimiter="__")
+    model_config = SettingsConfigDict(env_prefix="LIVERL_", env_nested_delimiter="__",
+                                      extra="forbid", validate_assignment=True)
 
     data_dir: Path = Field(REPO_ROOT / ".liverl", description="Where all state lives.")
     host: str = Field("127.0.0.1", description="Interface every component binds to.")
@@ -238,16 +290,45 @@ class Settings(BaseSettings):
     broker_cluster_id: str | None = Field(
         None, description="Set by `liverl up` per start; offsets are recorded with it."
     )
-    start_timeout_s: float = Field(90.0, description="How long a non-replica component may take.")
+    start_timeout_s: float = Field(90.0, gt=0, description="How long a non-replica component may take.")
     stream_nice: int = Field(
         10, ge=0, le=19, description="Niceness of the feedback stream and the sink: on a shared "
         "machine, ingest and serving answer first and the stream catches up in the gaps.",
     )
-    stream_cpus: list[int] | None = Field(
+    stream_cpus: list[Annotated[int, Field(ge=0)]] | None = Field(
         None, description="CPUs the feedback stream and the sink may run on (None: any), so "
         "ingest and serving keep the others to themselves on a shared machine.",
     )
-    drain_timeout_s: float = Field(120.0, description="How long `down` waits for draining.")
+    drain_timeout_s: float = Field(120.0, gt=0, description="How long `down` waits for draining.")
+
+    @model_validator(mode="after")
+    def _distinct_ports(self):
+        """Every listening port belongs to one component (replicas take base .. base+n-1)."""
+        ports = self.ports
+        claims = {f"LIVERL_PORTS__{name.upper()}": getattr(ports, name)
+                  for name in ("api", "gateway", "sink", "feedback", "learner")}
+        claims |= {f"replica {i} (LIVERL_PORTS__REPLICA_BASE + {i})": ports.replica_base + i
+                   for i in range(self.serving.replicas)}
+        if isinstance(self.broker, EmbeddedBroker):
+            claims["LIVERL_BROKER__PORT"] = self.broker.port
+        owner: dict[int, str] = {}
+        for name, port in claims.items():
+            if port > 65535:
+                raise ValueError(f"{name} is {port}, past the last port 65535")
+            if port in owner:
+                raise ValueError(f"{name} and {owner[port]} are both port {port}")
+            owner[port] = name
+        return self
+
+    def public_json(self) -> str:
+        """The settings without their secrets, for the running stack's settings file:
+        whoever reads them back gets each secret from its own environment."""
+        return self.model_dump_json(indent=2, exclude=SECRET_FIELDS)
+
+    def environment(self) -> dict[str, str]:
+        """These settings, secrets included, as `LIVERL_*` variables for a child process."""
+        return {f"LIVERL_{name.upper()}": value if isinstance(value, str) else json.dumps(value)
+                for name, value in self.model_dump(mode="json", context={"secrets": True}).items()}
 
     def url(self, port: int) -> str:
         return f"http://{self.host}:{port}"
@@ -278,6 +359,49 @@ class Settings(BaseSettings):
     @property
     def policies_dir(self) -> Path:
         return self.data_dir / "policies"
+
+
+def describe_error(error: ValidationError) -> str:
+    """One line naming each bad setting as the `LIVERL_*` variable that sets it."""
+    union_tags = {"embedded", "kafka", "chdb", "server", "local", "s3"}
+    problems = []
+    for e in error.errors():
+        path = [str(p) for i, p in enumerate(e["loc"]) if not (i == 1 and p in union_tags)]
+        message = e["msg"].removeprefix("Value error, ")
+        if path and e["type"] != "value_error":
+            name = "LIVERL_" + "__".join(p.upper() for p in path)
+            problems.append(f"{name}={e['input']!r}: {message}")
+        else:  # a rule across fields names its fields itself
+            problems.append(message)
+    return "invalid settings: " + "; ".join(problems)
+
+
+class _Defaults(PydanticBaseSettingsSource):
+    """A source below the environment: other defaults for some fields."""
+
+    def __init__(self, settings_cls: type[BaseSettings], defaults: dict):
+        super().__init__(settings_cls)
+        self.defaults = defaults
+
+    def get_field_value(self, field, field_name):  # required by the base class; unused
+        return None, field_name, False
+
+    def __call__(self) -> dict:
+        return self.defaults
+
+
+def settings_with_defaults(defaults: dict, **values) -> Settings:
+    """Settings whose defaults for some fields are `defaults` (nested dicts): `LIVERL_*`
+    variables still override them and `values` override both, all validated."""
+
+    class WithDefaults(Settings):
+        @classmethod
+        def settings_customise_sources(cls, settings_cls, init_settings, env_settings,
+                                       dotenv_settings, file_secret_settings):
+            return (init_settings, env_settings, dotenv_settings, file_secret_settings,
+                    _Defaults(settings_cls, defaults))
+
+    return WithDefaults(**values)
 
 
 @lru_cache

@@ -63,10 +63,7 @@ def tansu_binary() -> Path:
 
 def child_env(settings: Settings) -> dict[str, str]:
     """The parent's settings, exactly, for every child process."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    for name, value in settings.model_dump(mode="json").items():
-        env[f"LIVERL_{name.upper()}"] = value if isinstance(value, str) else json.dumps(value)
-    return env
+    return dict(os.environ, PYTHONUNBUFFERED="1", **settings.environment())
 
 
 def port_free(host: str, port: int) -> bool:
@@ -93,7 +90,8 @@ def running_settings(data_dir: Path | None = None) -> Settings:
     environment says."""
     settings = Settings(data_dir=data_dir) if data_dir else Settings()
     if manifest_file(settings).exists() and settings_file(settings).exists():
-        return Settings.model_validate_json(settings_file(settings).read_text())
+        # Keyword arguments, so the secrets left out of the file come from the environment.
+        return Settings(**json.loads(settings_file(settings).read_text()))
     return settings
 
 
@@ -209,7 +207,7 @@ def up(settings: Settings, say: Callable[[str], None] = print, progress: bool = 
     launcher = Launcher(settings, say)
     cluster_id = f"liverl-{uuid.uuid4().hex[:12]}"
     settings.broker_cluster_id = cluster_id
-    settings_file(settings).write_text(settings.model_dump_json(indent=2))
+    settings_file(settings).write_text(settings.public_json())
     try:
         if isinstance(settings.broker, EmbeddedBroker):
             binary = tansu_binary()

@@ -196,9 +196,10 @@ class S3Store(DeltaStore):
 
         super().__init__(cache_dir, **options)
         self.bucket, self.prefix = config.bucket, config.prefix
+        secret = config.secret_access_key.get_secret_value() if config.secret_access_key else None
         self.client = boto3.client(
             "s3", endpoint_url=config.endpoint_url,
-            aws_access_key_id=config.access_key_id, aws_secret_access_key=config.secret_access_key,
+            aws_access_key_id=config.access_key_id, aws_secret_access_key=secret,
             region_name=os.environ.get("AWS_DEFAULT_REGION", "us-east-1"),
             config=Config(max_pool_connections=max(10, self.threads)))
 

@@ -42,7 +42,7 @@ def test_completion_feedback_reward_row_in_clickhouse(settings, openai_client, d
     assert client.rejected == []
     out = wait_for(lambda: (r := liverl(settings, "sql",
                                         f"SELECT reward, reward_source, policy_version FROM samples "
-                                        f"WHERE sample_id = '{completion_id}'", "--format", "json"))
+                                        f"WHERE sample_id = 'dev:{completion_id}'", "--format", "json"))
                    .stdout.count('"reward"') and r, timeout=20)
     rows = json.loads(out.stdout)["data"]
     assert rows == [{"reward": 1, "reward_source": "feedback", "policy_version": served_by}]
@@ -145,7 +145,8 @@ def test_duplicates_count_once_and_unknown_or_foreign_feedback_never_trains(
     first = api.post("/v1/ingestion", json={"batch": [feedback, feedback]}).json()
     assert [r["status"] for r in first["results"]] == [201, 200] and first["results"][1]["duplicate"]
     assert api.post("/v1/ingestion", json={"batch": [feedback]}).json()["results"][0]["duplicate"]
-    # Another tenant cannot give feedback on this tenant's completion.
+    # Another tenant cannot give feedback on this tenant's completion: its feedback names
+    # a completion of its own, which does not exist.
     other_key, _ = KeyStore(settings.keys_file).create("mallory")
     foreign = item(f"m-{uuid.uuid4().hex}", {"kind": "accept", "completion_id": completion_id})
     httpx.post(settings.url(settings.ports.api) + "/v1/ingestion", json={"batch": [foreign]},
@@ -156,12 +157,13 @@ def test_duplicates_count_once_and_unknown_or_foreign_feedback_never_trains(
 
     letters = wait_for(lambda: (rows := sql(settings, "SELECT reason, tenant FROM dead_letters")) and
                        any("unjoinable" in r["reason"] for r in rows) and rows, timeout=30)
-    assert any(r["reason"] == "tenant does not own this completion" and r["tenant"] == "mallory"
-               for r in letters)
+    letters = wait_for(lambda: (rows := sql(settings, "SELECT reason, tenant FROM dead_letters "
+                                                      "WHERE tenant = 'mallory'")) and rows, timeout=30)
+    assert all("unjoinable" in r["reason"] for r in letters)
     samples = wait_for(lambda: sql(settings, f"SELECT reward, tenant FROM samples FINAL "
-                                             f"WHERE sample_id = '{completion_id}'"))
+                                             f"WHERE sample_id = 'dev:{completion_id}'"))
     assert samples == [{"reward": 0, "tenant": "dev"}]
-    assert sql(settings, f"SELECT count() AS n FROM samples WHERE sample_id = '{unknown_id}'") == [{"n": 0}]
+    assert sql(settings, f"SELECT count() AS n FROM samples WHERE sample_id = 'dev:{unknown_id}'") == [{"n": 0}]
 
 
 def test_a_completion_takes_a_bounded_number_of_feedback_events(settings, openai_client, api):
@@ -178,7 +180,7 @@ def test_a_completion_takes_a_bounded_number_of_feedback_events(settings, openai
     assert {json.loads(r["payload"])["event_id"] for r in refused} == {e["id"] for e in events[cap:]}
     # At most one sample revision per joined event (fewer if the trajectory came last).
     revisions = wait_for(lambda: (rows := sql(settings, f"SELECT count() AS n, max(revision) AS last FROM samples "
-                                                        f"WHERE sample_id = '{completion_id}'")) and rows[0]["n"] and rows)
+                                                        f"WHERE sample_id = 'dev:{completion_id}'")) and rows[0]["n"] and rows)
     assert revisions[0]["last"] < cap
 
 
@@ -193,7 +195,7 @@ def test_window_closes_with_default_reward_and_late_feedback_is_a_revision(
     api.post("/v1/ingestion", json={"batch": [item(f"l-{uuid.uuid4().hex}",
                                                    {"kind": "accept", "completion_id": completion_id})]})
     rows = wait_for(lambda: sql(settings, f"SELECT reward_source, revision FROM samples "
-                                          f"WHERE sample_id = '{completion_id}'"))
+                                          f"WHERE sample_id = 'dev:{completion_id}'"))
     assert rows == [{"reward_source": "late", "revision": 0}]
 
 
