@@ -307,6 +307,29 @@ def learner_resume(data_dir: Optional[Path] = DataDir) -> None:
     learner_call(data_dir, "resume")
 
 
+@app.command()
+def audit(limit: int = typer.Option(50, help="Newest entries to show."),
+          action: Optional[str] = typer.Option(None, help="Only this action, e.g. keys.create."),
+          as_json: bool = typer.Option(False, "--json", help="JSON lines instead of a table."),
+          data_dir: Optional[Path] = DataDir) -> None:
+    """Every admin action (keys, learner control, SQL, promotion), who took it and why."""
+    from datetime import datetime, timezone
+
+    from liverl.audit import AuditLog
+
+    entries = AuditLog(settings_from(data_dir).audit_file).entries(limit, action)
+    if not entries and not as_json:
+        console.print("no audit entries")
+        return
+    if as_json:
+        for entry in entries:
+            print(entry.model_dump_json())
+        return
+    print_rows([{"at": datetime.fromtimestamp(e.at, timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
+                 "actor": e.actor, "action": e.action, "target": e.target, "reason": e.reason,
+                 "details": json.dumps(e.details)[:80]} for e in entries], title="audit log")
+
+
 def main() -> None:
     """The `liverl` command; a bad setting is one line naming its variable, not a traceback."""
     from pydantic import ValidationError

@@ -48,6 +48,9 @@ class Strict(BaseModel):
 
 
 Id = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:\-]+$")]
+# A policy version's name ("v12"). It becomes a directory name on every replica and a key
+# in the delta store, so a name read from anywhere is checked against this first.
+VersionName = Annotated[str, Field(pattern=r"^v[0-9]{1,9}$")]
 # An id prefixed with its tenant (samples): room for a tenant, ':', an Id and a suffix.
 ScopedId = Annotated[str, Field(min_length=1, max_length=300, pattern=r"^[A-Za-z0-9._:\-]+$")]
 

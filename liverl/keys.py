@@ -32,6 +32,19 @@ class KeyRecord(BaseModel):
     label: str = ""
 
 
+def write_private(path: Path, text: str) -> None:
+    """Replace `path` with `text`, readable by its owner only from its first byte: the file
+    is created 0600 (never at the umask, then chmod-ed) and renamed into place."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
@@ -55,11 +68,7 @@ class KeyStore:
         return self._by_hash
 
     def _save(self, records: dict[str, KeyRecord]) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({h: r.model_dump(mode="json") for h, r in records.items()}))
-        os.chmod(tmp, 0o600)
-        tmp.replace(self.path)
+        write_private(self.path, json.dumps({h: r.model_dump(mode="json") for h, r in records.items()}))
 
     def authenticate(self, key: str) -> KeyRecord | None:
         with self._lock:

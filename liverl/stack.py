@@ -25,7 +25,7 @@ from pydantic import BaseModel
 
 from liverl.contracts import Topics
 from liverl.kafka import ensure_topics, group_lag
-from liverl.keys import KeyStore
+from liverl.keys import KeyStore, write_private
 from liverl.process import alive, spawn, stop_pid, wait_until, yield_cpu
 from liverl.settings import EmbeddedBroker, Settings
 from policies.registry import Registry
@@ -159,13 +159,12 @@ def check_ports(settings: Settings) -> None:
 
 def ensure_dev_keys(settings: Settings) -> Path:
     """A development tenant key and an admin key on first start, kept in one 0600 file."""
-    path = settings.data_dir / "dev-keys.json"
+    path = settings.dev_keys_file
     if not path.exists():
         store = KeyStore(settings.keys_file)
         tenant_key, _ = store.create("dev", "tenant", "development tenant key")
         admin_key, _ = store.create("admin", "admin", "development admin key")
-        path.write_text(json.dumps({"tenant": "dev", "tenant_key": tenant_key, "admin_key": admin_key}))
-        os.chmod(path, 0o600)
+        write_private(path, json.dumps({"tenant": "dev", "tenant_key": tenant_key, "admin_key": admin_key}))
     return path
 
 

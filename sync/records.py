@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field
+import logging
 
+from pydantic import BaseModel, Field, ValidationError
+
+from liverl.contracts import VersionName
 from liverl.settings import Settings
 from sync.store import DeltaStore, open_store
 
+log = logging.getLogger(__name__)
 RECORDS = "versions/"
 OBJECT_PREFIXES = ("deltas/", "snapshots/")
 
@@ -17,9 +21,9 @@ class StoredObject(BaseModel):
 
 
 class VersionRecord(BaseModel):
-    version: str
+    version: VersionName
     seq: int
-    parent: str | None
+    parent: VersionName | None
     digest: str = Field(description="state_digest of the version's tensors.")
     nbytes: int = Field(description="Bytes of the version's tensors.")
     delta: StoredObject | None = Field(None, description="The change from the parent.")
@@ -39,8 +43,18 @@ def snapshot_key(version: str) -> str:
 
 
 def read_records(store: DeltaStore) -> dict[str, VersionRecord]:
-    return {r.version: r for r in (VersionRecord.model_validate_json(store.get_bytes(key))
-                                   for key in store.list(RECORDS))}
+    """Every well-formed record; a malformed one (say, a version or parent name that is
+    not a version name and would become a path) is skipped and logged, so it cannot stop
+    the others from syncing nor reach the file system."""
+    records = {}
+    for key in store.list(RECORDS):
+        try:
+            record = VersionRecord.model_validate_json(store.get_bytes(key))
+        except ValidationError as error:
+            log.warning("ignoring the malformed version record %s: %s", key, error.errors()[0]["msg"])
+            continue
+        records[record.version] = record
+    return records
 
 
 def write_record(store: DeltaStore, record: VersionRecord) -> None:

@@ -17,8 +17,9 @@ import shutil
 import time
 from pathlib import Path
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, TypeAdapter
 
+from liverl.contracts import VersionName
 from liverl.faults import crash_point
 from liverl.process import alive
 from liverl.settings import Settings
@@ -27,6 +28,7 @@ from sync.records import StoredObject, VersionRecord, read_records, sync_store
 from sync.store import DeltaStore
 
 log = logging.getLogger(__name__)
+VERSION = TypeAdapter(VersionName)  # every version name that becomes a path passes it
 
 STATE_FILE = "sync.json"
 WORK_PREFIX = ".work-"
@@ -113,7 +115,7 @@ class ReplicaSync:
         return cls(replicas_dir(settings) / replica, sync_store(settings))
 
     def path(self, version: str) -> Path:
-        return self.root / version
+        return self.root / VERSION.validate_python(version)
 
     def state(self) -> ReplicaState:
         path = self.root / STATE_FILE
@@ -128,6 +130,7 @@ class ReplicaSync:
     def stage(self, target: str) -> tuple[Path, Transfer]:
         """Make `target`'s directory exist, verified, while the replica keeps serving.
         Raises `SyncError`, `StoreError` or `DeltaError`; nothing is then in place."""
+        VERSION.validate_python(target)
         self._remove_leftovers()
         self._update(pending=target, error=None)
         state = self.state()
