@@ -27,6 +27,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from liverl.demo import Population, demo_settings
+from liverl.keys import admin_headers
 from liverl.settings import ServingConfig
 from liverl.stack import down, up
 from serving.replicas import read_pool
@@ -45,7 +46,8 @@ def main(rounds: int = 30, executor: str = "uni", users: int = 4, seed: int = 0,
     up(settings, say=console.print)
     commits = []
     try:
-        httpx.post(settings.url(settings.ports.learner) + "/pause", timeout=10).raise_for_status()
+        httpx.post(settings.url(settings.ports.learner) + "/pause", params={"reason": "bench_commit"},
+                   headers=admin_headers(settings), timeout=10).raise_for_status()
         keys = json.loads((settings.data_dir / "dev-keys.json").read_text())
         population = Population(settings, keys["tenant_key"], users, seed, max_tokens=32)
         threads = population.start()

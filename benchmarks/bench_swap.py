@@ -28,6 +28,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from liverl.demo import Population, demo_settings
+from liverl.keys import admin_headers
 from liverl.settings import Settings
 from liverl.stack import down, drain, up
 from policies.registry import Registry
@@ -51,7 +52,8 @@ def idle_swaps(settings: Settings, rounds: int) -> list[dict]:
     """The floor without load: learner paused, no traffic, each replica swapped between
     the stable version and its parent, `rounds` times each way, through the same code."""
     learner = settings.url(settings.ports.learner)
-    httpx.post(learner + "/pause", timeout=10).raise_for_status()
+    httpx.post(learner + "/pause", params={"reason": "bench_swap"}, headers=admin_headers(settings),
+               timeout=10).raise_for_status()
     while httpx.get(learner + "/health", timeout=10).json()["promoting"]:
         time.sleep(1)
     registry = Registry(settings.policies_dir)

@@ -22,15 +22,17 @@ from pathlib import Path
 
 import torch
 import uvicorn
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 from kafka import ConsumerRebalanceListener, KafkaConsumer, OffsetAndMetadata, TopicPartition
 from prometheus_client import Counter, Gauge
 from pydantic import ValidationError
 
-from learner.trainer import Trainer, valid
-from liverl.contracts import RewardedSample, Topics
+from learner.trainer import Trainer, problem
+from liverl.audit import AuditLog
+from liverl.contracts import DeadLetter, RewardedSample, Topics
 from liverl.faults import crash_point
-from liverl.kafka import KAFKA_PYTHON_API_VERSION
+from liverl.kafka import KAFKA_PYTHON_API_VERSION, encode, produce_sync
+from liverl.keys import KeyRecord, KeyStore, require_admin
 from liverl.observability import log, mount_metrics, setup_logging
 from liverl.settings import Settings, get_settings
 from policies.offline_eval import offline_check, snis
@@ -79,7 +81,7 @@ class Learner:
         self.trainer = Trainer(Path(self.current.model_dir), self.config, state if state.exists() else None)
         self.pending: dict[str, RewardedSample] = {}
         self.holdout: list[RewardedSample] = []
-        self.dropped = {"stale": 0, "consent": 0, "malformed": 0, "already_trained": 0}
+        self.dropped = {"stale": 0, "consent": 0, "malformed": 0, "already_trained": 0, "untrainable": 0}
         self.next_offsets: dict[TopicPartition, int] = {}
         self.window_started = time.time()
         self.promoter = Promoter(settings, self.registry)
@@ -103,13 +105,25 @@ class Learner:
         self.dropped[reason] += 1
         DROPPED.labels(reason).inc()
 
+    def dead_letter(self, reason: str, payload: bytes, tenant: str | None) -> None:
+        """What the learner cannot use goes to the dead-letter topic with the reason."""
+        letter = DeadLetter(event_id=f"dlq-{hashlib.sha256(payload).hexdigest()[:32]}",
+                            source_topic=Topics.SAMPLES, reason=reason, tenant=tenant,
+                            payload=payload.decode(errors="replace"))
+        try:
+            produce_sync(self.settings, Topics.DEAD_LETTER, encode(letter))
+        except Exception as error:  # counted either way; the broker being down is not a sample's fault
+            log(logger, "could not dead-letter a sample", reason=reason, error=repr(error))
+
     def take(self, raw: bytes) -> None:
         CONSUMED.inc()
         try:
             sample = RewardedSample.model_validate_json(raw)
-        except ValidationError:
+        except ValidationError as error:
+            self.dead_letter(f"malformed: {error.errors()[0]['msg']}", raw, None)
             return self.drop("malformed")
-        if valid(sample) is not None:
+        if (why := problem(sample, self.trainer.arch)) is not None:
+            self.dead_letter(f"malformed: {why}", raw, sample.tenant)
             return self.drop("malformed")
         if sample.tenant in self.config.excluded_tenants:
             return self.drop("consent")
@@ -150,6 +164,10 @@ class Learner:
         metrics = self.trainer.train(train or batch, seed=self.current.seq)
         metrics["train_seconds"] = time.time() - started
         metrics["tokens_per_second"] = metrics["tokens"] * self.config.epochs / max(metrics["train_seconds"], 1e-9)
+        for sample in batch:  # each poison pill is dead-lettered once, counted in this version
+            if why := metrics["untrainable"].get(sample.sample_id):
+                self.dead_letter(why, encode(sample), sample.tenant)
+                self.drop("untrainable")
         metrics["dropped"] = dict(self.dropped)
         if self.holdout:
             rewards = torch.tensor([s.reward for s in self.holdout])
@@ -223,6 +241,8 @@ class Learner:
 def create_app(settings: Settings) -> tuple[FastAPI, Learner]:
     learner = Learner(settings)
     app = FastAPI(title="liverl learner")
+    app.state.keys = KeyStore(settings.keys_file)
+    audit = AuditLog(settings.audit_file)
     mount_metrics(app)
 
     @app.get("/health")
@@ -231,19 +251,23 @@ def create_app(settings: Settings) -> tuple[FastAPI, Learner]:
                 "paused": learner.paused.is_set(), "promoting": learner.promoter.busy.is_set()}
 
     @app.post("/pause")
-    def pause() -> dict:
+    def pause(reason: str = "", key: KeyRecord = Depends(require_admin)) -> dict:
+        """Stop consuming and writing versions (admin key; audited)."""
         learner.paused.set()
+        audit.record(key.key_id, "learner.pause", "learner", reason, version=learner.current.version)
         return {"paused": True, "version": learner.current.version}
 
     @app.post("/resume")
-    def resume() -> dict:
+    def resume(reason: str = "", key: KeyRecord = Depends(require_admin)) -> dict:
         learner.paused.clear()
+        audit.record(key.key_id, "learner.resume", "learner", reason, version=learner.current.version)
         return {"paused": False, "version": learner.current.version}
 
     @app.post("/flush")
-    def flush() -> dict:
+    def flush(reason: str = "", key: KeyRecord = Depends(require_admin)) -> dict:
         """Learn from whatever is pending now (a clean shutdown must not strand samples)."""
         learner.flush_requested.set()
+        audit.record(key.key_id, "learner.flush", "learner", reason, pending=len(learner.pending))
         return {"pending": len(learner.pending)}
 
     return app, learner

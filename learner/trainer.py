@@ -7,6 +7,7 @@ consecutive versions differ only where a bf16 value actually changed.
 from __future__ import annotations
 
 import json
+import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,13 +80,42 @@ def token_logprobs(model: torch.nn.Module, batch: Batch,
     return logp.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
 
 
-def valid(sample: RewardedSample) -> str | None:
+@dataclass(frozen=True)
+class Architecture:
+    """What a sample's ids must fit: the policy's vocabulary and its experts."""
+
+    vocab_size: int
+    layers: int
+    experts: int
+    top_k: int
+
+    @classmethod
+    def of(cls, config) -> Architecture:
+        return cls(config.vocab_size, config.num_hidden_layers, config.num_experts, config.num_experts_per_tok)
+
+
+def problem(sample: RewardedSample, arch: Architecture) -> str | None:
     """Why a sample cannot be trained on, or None: nothing malformed reaches a gradient."""
     t = sample.trajectory
     if not t.prompt_token_ids or not t.completion_token_ids:
         return "no prompt or completion token ids"
     if len(t.completion_logprobs) != len(t.completion_token_ids):
         return "behaviour logprobs do not match the completion tokens"
+    if not all(0 <= i < arch.vocab_size for i in t.prompt_token_ids + t.completion_token_ids):
+        return f"token ids outside the vocabulary [0, {arch.vocab_size})"
+    if not all(math.isfinite(x) and x <= 0 for x in t.completion_logprobs):
+        return "behaviour logprobs must be finite and at most 0"
+    if not math.isfinite(sample.reward):
+        return "reward is not finite"
+    if t.routed_experts is not None:
+        tokens = len(t.prompt_token_ids) + len(t.completion_token_ids)
+        if len(t.routed_experts) > tokens or any(
+                len(layers) != arch.layers or any(len(k) != arch.top_k for k in layers)
+                for layers in t.routed_experts):
+            return (f"routed_experts must be [token][{arch.layers} layers][{arch.top_k} experts] "
+                    f"for at most {tokens} tokens")
+        if not all(0 <= e < arch.experts for layers in t.routed_experts for k in layers for e in k):
+            return f"expert ids outside [0, {arch.experts})"
     return None
 
 
@@ -116,16 +146,17 @@ class Trainer:
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=config.lr)
         self.baseline = RunningBaseline()
         if state is not None:
-            saved = torch.load(state, weights_only=False)
+            saved = torch.load(state, weights_only=True)  # never unpickle arbitrary objects
             self.model.load_state_dict(saved["model"])
             self.optimizer.load_state_dict(saved["optimizer"])
             self.baseline.means = saved["baseline"]
-        cfg = self.model.config
-        self.layers, self.top_k = cfg.num_hidden_layers, cfg.num_experts_per_tok
+        self.arch = Architecture.of(self.model.config)
+        self.layers, self.top_k = self.arch.layers, self.arch.top_k
 
     def advantages(self, samples: list[RewardedSample]) -> torch.Tensor:
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-        grouped = [s.trajectory.group_id for s in samples]
+        # A group id is the tenant's own name: two tenants' groups never share a baseline.
+        grouped = [f"{s.tenant}:{s.trajectory.group_id}" if s.trajectory.group_id else None for s in samples]
         lone = [i for i, g in enumerate(grouped) if g is None]
         advantages = group_advantages(rewards, [g or f"lone-{i}" for i, g in enumerate(grouped)])
         if lone:
@@ -143,38 +174,56 @@ class Trainer:
         mismatched, replayed_mismatched, routed = 0.0, 0.0, 0
         rng = random.Random(seed)
         parent = self.snapshot() if self.config.kl_coef > 0 else None  # the KL reference
+        failed: dict[int, str] = {}  # sample index -> why it could not be trained on
+
+        def update(step: list[int], epoch: int) -> None:
+            nonlocal mismatched, replayed_mismatched, routed
+            idx, share, normalizer = self.shard(step, samples)
+            batch = collate([samples[i] for i in idx], self.tokenizer.pad_token_id, self.layers, self.top_k)
+            routing = batch.routing if self.config.router_replay else None
+            with router_replay.replay(self.model, routing):
+                reference = None
+                if parent is not None:
+                    with torch.no_grad():
+                        reference = token_logprobs(self.model, batch, parent)
+                logp = token_logprobs(self.model, batch)  # last: the routing stats read this pass
+            loss, step_stats = policy_gradient_loss(
+                logp, batch.behaviour_logp, advantages[idx] * share, batch.completion_mask,
+                is_mode=self.config.is_mode, is_threshold=self.config.is_threshold,
+                reference_logp=reference, kl_coef=self.config.kl_coef, normalizer=normalizer,
+            )
+            self.optimizer.zero_grad()
+            loss.backward()  # the last line that can fail: nothing below changes the weights
+            if epoch == 0:  # train/inference mismatch, before this batch moves the weights
+                abs_diff.append(((logp.detach() - batch.behaviour_logp).abs())[batch.completion_mask.bool()])
+                if batch.routing is not None:
+                    n = int((batch.routing >= 0).all(-1).sum())
+                    mismatched += router_replay.routing_mismatch(
+                        router_replay.recomputed_routing(self.model), batch.routing, batch.attention) * n
+                    replayed_mismatched += router_replay.routing_mismatch(
+                        router_replay.used_routing(self.model), batch.routing, batch.attention) * n
+                    routed += n
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+            self.optimizer.step()
+            for k, v in step_stats.items():
+                stats[k].append(v)
+
         for epoch in range(self.config.epochs):
             rng.shuffle(order)
             for step in version_minibatches(order, self.config.minibatch, self.config.max_steps_per_version):
-                idx, share, normalizer = self.shard(step, samples)
-                batch = collate([samples[i] for i in idx], self.tokenizer.pad_token_id, self.layers, self.top_k)
-                routing = batch.routing if self.config.router_replay else None
-                with router_replay.replay(self.model, routing):
-                    reference = None
-                    if parent is not None:
-                        with torch.no_grad():
-                            reference = token_logprobs(self.model, batch, parent)
-                    logp = token_logprobs(self.model, batch)  # last: the routing stats read this pass
-                if epoch == 0:  # train/inference mismatch, before this batch moves the weights
-                    abs_diff.append(((logp.detach() - batch.behaviour_logp).abs())[batch.completion_mask.bool()])
-                    if batch.routing is not None:
-                        n = int((batch.routing >= 0).all(-1).sum())
-                        mismatched += router_replay.routing_mismatch(
-                            router_replay.recomputed_routing(self.model), batch.routing, batch.attention) * n
-                        replayed_mismatched += router_replay.routing_mismatch(
-                            router_replay.used_routing(self.model), batch.routing, batch.attention) * n
-                        routed += n
-                loss, step = policy_gradient_loss(
-                    logp, batch.behaviour_logp, advantages[idx] * share, batch.completion_mask,
-                    is_mode=self.config.is_mode, is_threshold=self.config.is_threshold,
-                    reference_logp=reference, kl_coef=self.config.kl_coef, normalizer=normalizer,
-                )
-                self.optimizer.zero_grad()
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-                self.optimizer.step()
-                for k, v in step.items():
-                    stats[k].append(v)
+                step = [i for i in step if i not in failed]
+                if not step:
+                    continue
+                try:
+                    update(step, epoch)
+                except Exception:  # anything a sample the checks let through makes torch raise
+                    if self.world > 1:
+                        raise  # one rank cannot drop a step the others take
+                    # A poison pill, not a stop: find it by trying each sample alone, then
+                    # take the step on the others.
+                    failed |= {i: why for i in step if (why := self.trial(samples, i))}
+                    if good := [i for i in step if i not in failed]:
+                        update(good, epoch)
         diffs = torch.cat(abs_diff) if abs_diff else torch.zeros(1)
         rewards = [s.reward for s in samples]
         return {
@@ -189,7 +238,22 @@ class Trainer:
             # ...and the experts the training pass actually ran vs served (0 with replay).
             "trained_routing_mismatch_fraction": replayed_mismatched / routed if routed else None,
             "router_replay": bool(routed) and self.config.router_replay,
+            # Samples that broke a step and were skipped: the service dead-letters them.
+            "untrainable": {samples[i].sample_id: why for i, why in failed.items()},
         }
+
+    def trial(self, samples: list[RewardedSample], i: int) -> str | None:
+        """Why a forward and backward on sample i alone fails, or None (no weights change)."""
+        try:
+            batch = collate([samples[i]], self.tokenizer.pad_token_id, self.layers, self.top_k)
+            with router_replay.replay(self.model, batch.routing if self.config.router_replay else None):
+                logp = token_logprobs(self.model, batch)
+            (logp * batch.completion_mask).sum().backward()
+            return None
+        except Exception as error:
+            return f"training failed: {error!r}"[:500]
+        finally:
+            self.optimizer.zero_grad()
 
     def shard(self, idx: list[int], samples: list[RewardedSample]) -> tuple[list[int], float, torch.Tensor | None]:
         """This rank's part of a minibatch, whether it counts (1.0) or only keeps the

@@ -287,24 +287,32 @@ learner_app = typer.Typer(help="The learner: pause or resume learning.")
 app.add_typer(learner_app, name="learner")
 
 
-def learner_call(data_dir: Optional[Path], verb: str) -> None:
+def learner_call(data_dir: Optional[Path], verb: str, reason: str) -> None:
+    from liverl.keys import admin_headers
+
     settings = settings_from(data_dir)
     try:
-        response = httpx.post(settings.url(settings.ports.learner) + f"/{verb}", timeout=10)
+        response = httpx.post(settings.url(settings.ports.learner) + f"/{verb}", params={"reason": reason},
+                              headers=admin_headers(settings), timeout=10)
     except httpx.ConnectError:
         fail("the learner is not reachable; is the stack up (`liverl status`)?")
+    if response.is_error:
+        fail(f"the learner answered {response.status_code}: {response.text}")
     console.print_json(response.text)
 
 
+Reason = typer.Option(..., "--reason", help="Why (recorded in the audit log).")
+
+
 @learner_app.command("pause")
-def learner_pause(data_dir: Optional[Path] = DataDir) -> None:
+def learner_pause(reason: str = Reason, data_dir: Optional[Path] = DataDir) -> None:
     """Stop consuming and writing versions (serving is untouched)."""
-    learner_call(data_dir, "pause")
+    learner_call(data_dir, "pause", reason)
 
 
 @learner_app.command("resume")
-def learner_resume(data_dir: Optional[Path] = DataDir) -> None:
-    learner_call(data_dir, "resume")
+def learner_resume(reason: str = Reason, data_dir: Optional[Path] = DataDir) -> None:
+    learner_call(data_dir, "resume", reason)
 
 
 @app.command()

@@ -25,7 +25,7 @@ from pydantic import BaseModel
 
 from liverl.contracts import Topics
 from liverl.kafka import ensure_topics, group_lag
-from liverl.keys import KeyStore, write_private
+from liverl.keys import KeyStore, admin_headers, write_private
 from liverl.process import alive, spawn, stop_pid, wait_until, yield_cpu
 from liverl.settings import EmbeddedBroker, Settings
 from policies.registry import Registry
@@ -274,7 +274,8 @@ def drain(settings: Settings, timeout: float, say: Callable[[str], None]) -> Non
                                  f"see {settings.run_dir / (component + '.log')} and `liverl up` again")
         if settings.learner.enabled and not lags["liverl-feedback"]:
             # Every sample is out: the learner learns from what it still holds.
-            httpx.post(settings.url(settings.ports.learner) + "/flush", timeout=10)
+            httpx.post(settings.url(settings.ports.learner) + "/flush", params={"reason": "liverl down drains"},
+                       headers=admin_headers(settings), timeout=10)
         if time.time() > deadline:
             raise StackError(f"drain timed out with lag {lags}; rerun `liverl down` or use --force")
         say(f"  draining: {lags}")

@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
 from liverl.demo import Population, wilson
+from liverl.keys import admin_headers
 from liverl.process import spawn, stop_pid
 from liverl.stack import child_env, read_manifest
 from policies.promotion import Promoter
@@ -53,10 +54,10 @@ def synthetic_batch(n: int, version: str, routing: tuple[int, int] | None = None
 @pytest.fixture()
 def paused_learner(settings, stack):
     """Learning paused and no promotion in flight, so a test owns the replicas."""
-    httpx.post(settings.url(settings.ports.learner) + "/pause", timeout=10)
+    httpx.post(settings.url(settings.ports.learner) + "/pause", headers=admin_headers(settings), timeout=10)
     wait_for(lambda: (health := learner_health(settings)) and not health["promoting"], timeout=120)
     yield
-    httpx.post(settings.url(settings.ports.learner) + "/resume", timeout=10)
+    httpx.post(settings.url(settings.ports.learner) + "/resume", headers=admin_headers(settings), timeout=10)
 
 
 def restart_learner(settings, fault: str | None = None) -> int:
@@ -88,10 +89,10 @@ def test_learner_killed_after_publish_loses_and_duplicates_nothing(settings, api
     # Resumed from the registry: the same samples are not learned again, and new ones are.
     more = synthetic_batch(settings.learner.batch_samples, crashed.version)
     api.post("/v1/ingestion", json={"batch": more})
-    ids = {b["body"]["completion_id"] for b in sent + more if b["type"] == "trajectory"}
+    ids = {f"dev:{b['body']['completion_id']}" for b in sent + more if b["type"] == "trajectory"}
 
     def all_trained() -> bool:
-        httpx.post(settings.url(settings.ports.learner) + "/flush", timeout=10)
+        httpx.post(settings.url(settings.ports.learner) + "/flush", headers=admin_headers(settings), timeout=10)
         return registry.trained(sorted(ids)) == ids
     wait_for(all_trained, timeout=120, interval=2)
     rows = registry.db.execute(
@@ -118,7 +119,7 @@ def test_stale_samples_are_dropped_and_counted(settings, api):
     api.post("/v1/ingestion", json={"batch": stale + fresh})
     wait_for(lambda: any(v.window and v.window.dropped_stale for v in registry.versions() if v.seq > start),
              timeout=120)
-    stale_ids = {b["body"]["completion_id"] for b in stale if b["type"] == "trajectory"}
+    stale_ids = {f"dev:{b['body']['completion_id']}" for b in stale if b["type"] == "trajectory"}
     assert registry.trained(sorted(stale_ids)) == set()
 
 
