@@ -6,6 +6,7 @@ import collections
 import gc
 import json
 import time
+from pathlib import Path
 from collections import OrderedDict
 from contextlib import asynccontextmanager
 from typing import get_args
@@ -13,14 +14,19 @@ from typing import get_args
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import Response
 from prometheus_client import Counter, Histogram
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
-from ingest.schemas import FeedbackBatch, IngestItem, IngestResponse, ItemError, ItemResult, describe, to_event
-from liverl.contracts import Id, utcnow
-from liverl.keys import KeyRecord, KeyStore, Role, require_admin, require_key
+from ingest.schemas import (FeedbackBatch, IngestItem, IngestResponse, ItemError, ItemForbidden, ItemResult,
+                            KeyRequest, describe, to_event)
+from liverl.audit import AuditLog
+from liverl.contracts import Architecture, utcnow
+from liverl.http import refuse_deep_json
+from liverl.keys import KeyRecord, KeyStore, require_admin, require_key
 from liverl.kafka import BatchProducer, encode
 from liverl.observability import log, mount_metrics, setup_logging
+from liverl.ratelimit import TenantRateLimiter
 from liverl.settings import Settings, get_settings
+from policies.registry import Registry
 
 ITEMS = Counter("liverl_ingest_items_total", "Ingested items by outcome", ["type", "outcome"])
 BATCH_SECONDS = Histogram("liverl_ingest_batch_seconds", "Time to acknowledge a batch")
@@ -49,6 +55,27 @@ class RecentIds:
             self._ids.popitem(last=False)
 
 
+class ServingArchitecture:
+    """The stable policy's architecture, which every trajectory's ids must fit; looked
+    up again when the stable version may have changed (at most every `refresh_s`)."""
+
+    def __init__(self, settings: Settings, refresh_s: float = 5.0):
+        self.registry = Registry(settings.policies_dir)
+        self.refresh_s = refresh_s
+        self._checked = 0.0
+        self._version: str | None = None
+        self._arch: Architecture | None = None
+
+    def get(self) -> Architecture | None:
+        if time.monotonic() - self._checked > self.refresh_s:
+            self._checked = time.monotonic()
+            stable = self.registry.stable()
+            if stable and stable.version != self._version:
+                config = json.loads((Path(stable.model_dir) / "config.json").read_text())
+                self._version, self._arch = stable.version, Architecture.of(config)
+        return self._arch
+
+
 def validated_items(raw: bytes, max_items: int) -> list[tuple[str | None, str, IngestItem | ItemError]]:
     """(id, type, validated item or why not) for each item of a request body; an
     HTTPException when the body as a whole is not a batch."""
@@ -63,6 +90,8 @@ def validated_items(raw: bytes, max_items: int) -> list[tuple[str | None, str, I
         payload = json.loads(raw)
     except ValueError as error:
         raise HTTPException(400, f"malformed JSON: {error}") from None
+    except RecursionError:
+        raise HTTPException(400, "malformed JSON: nested too deeply") from None
     if not isinstance(payload, dict) or not isinstance(payload.get("batch"), list):
         raise HTTPException(422, "batch: expected an object {\"batch\": [...]} with a list")
     if extra := set(payload) - {"batch"}:
@@ -97,20 +126,33 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app = FastAPI(title="liverl ingest", lifespan=lifespan)
     app.state.keys = KeyStore(settings.keys_file)
     app.state.recent = RecentIds()
+    refuse_deep_json(app)
     mount_metrics(app)
     limits = settings.ingest
+    limiter = TenantRateLimiter(limits.tenant_events_per_s, limits.tenant_events_burst)
+    architecture = ServingArchitecture(settings)
+    audit = AuditLog(settings.audit_file)
 
     @app.get("/health")
     async def health() -> dict:
         return {"ok": True}
 
-    @app.post("/v1/ingestion", status_code=207, response_model=IngestResponse)
+    # The body is read raw (one validation pass for the common batch, item by item
+    # otherwise), so its schema is given to the OpenAPI document by hand.
+    batch_schema = {"type": "object", "required": ["batch"], "additionalProperties": False,
+                    "properties": {"batch": {"type": "array", "maxItems": limits.max_batch_items,
+                                             "items": IngestItem.model_json_schema()}}}
+
+    @app.post("/v1/ingestion", status_code=207, response_model=IngestResponse, openapi_extra={
+        "requestBody": {"required": True, "content": {"application/json": {"schema": batch_schema}}}})
     async def ingest(request: Request, key: KeyRecord = Depends(require_key)) -> Response:
         started, received_at = time.perf_counter(), utcnow()
         raw = await request.body()
         if len(raw) > limits.max_body_bytes:
             raise HTTPException(413, f"body is {len(raw)} bytes; the limit is {limits.max_body_bytes}")
         items = validated_items(raw, limits.max_batch_items)
+        limiter.check(key.tenant, len(items))
+        arch = architecture.get() if any(t == "trajectory" for _, t, _ in items) else None
 
         results: list[ItemResult] = []
         outcomes: collections.Counter[tuple[str, str]] = collections.Counter()
@@ -125,12 +167,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                     results.append(ItemResult(id=item.id, status=200, duplicate=True))
                     outcomes[item.type, "duplicate"] += 1
                     continue
-                topic, partition_key, event = to_event(item, key.tenant, received_at)
+                if item.type == "trajectory" and "trajectories" not in key.scopes:
+                    raise ItemForbidden("type: this key may not send trajectories (they train the shared "
+                                    "policy: a key needs the 'trajectories' scope)")
+                topic, partition_key, event = to_event(item, key.tenant, received_at, arch)
                 value = encode(event)
                 if len(value) > limits.max_item_bytes:
                     raise ItemError(f"item is larger than {limits.max_item_bytes} bytes as an event")
             except ItemError as error:
-                status = 413 if "larger than" in str(error) else 400
+                status = 413 if "larger than" in str(error) else error.status
                 results.append(ItemResult(id=item_id, status=status, error=str(error)))
                 outcomes[item_type, "rejected"] += 1
                 continue
@@ -159,15 +204,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return Response(body.model_dump_json(), status_code=207, media_type="application/json")
 
     # --- admin: keys --------------------------------------------------------------------
-    class KeyRequest(BaseModel):
-        tenant: Id
-        role: Role = "tenant"
-        label: str = ""
-
     @app.post("/admin/keys", status_code=201)
     async def create_key(body: KeyRequest, admin: KeyRecord = Depends(require_admin)) -> dict:
-        key, record = app.state.keys.create(body.tenant, body.role, body.label)
+        key, record = app.state.keys.create(body.tenant, body.role, body.label, body.scopes)
         log(logger, "key created", key_id=record.key_id, tenant=record.tenant, by=admin.key_id)
+        audit.record(admin.key_id, "keys.create", record.tenant, key_id=record.key_id, role=record.role,
+                     scopes=record.scopes)
         return {"key": key, **record.model_dump(mode="json")}
 
     @app.get("/admin/keys")
@@ -181,6 +223,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         except KeyError as error:
             raise HTTPException(404, str(error)) from None
         log(logger, "key revoked", key_id=key_id, by=admin.key_id)
+        audit.record(admin.key_id, "keys.revoke", record.tenant, key_id=key_id)
         return record.model_dump(mode="json")
 
     return app

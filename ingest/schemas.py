@@ -11,18 +11,22 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Literal, Union, get_args
 
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import AwareDatetime, BaseModel, Field, ValidationError
 
 from liverl.contracts import (
     SCHEMA_VERSION,
+    Architecture,
     FeedbackBody,
     FeedbackEvent,
     Id,
     OutcomeBody,
     Strict,
+    TenantId,
     Topics,
     Trajectory,
+    misfit,
 )
+from liverl.keys import Role, Scope
 
 # kind -> body model, for errors that name the field ("body.score"), not the union tag.
 FEEDBACK_KINDS = {
@@ -35,7 +39,7 @@ FEEDBACK_KINDS = {
 class IngestItem(Strict):
     id: Id
     type: Literal["feedback", "trajectory", "outcome"]
-    timestamp: datetime
+    timestamp: AwareDatetime = Field(description="With its timezone, e.g. 2026-11-22T12:00:00Z.")
     body: dict[str, Any]
 
 
@@ -48,6 +52,13 @@ class FeedbackItem(IngestItem):
 
 class FeedbackBatch(Strict):
     batch: list[FeedbackItem]
+
+
+class KeyRequest(Strict):
+    tenant: TenantId
+    role: Role = "tenant"
+    label: str = Field("", max_length=200)
+    scopes: list[Scope] = Field(["feedback"], description="What the key may send.")
 
 
 class ItemResult(BaseModel):
@@ -66,6 +77,14 @@ class IngestResponse(BaseModel):
 class ItemError(ValueError):
     """An item the API refuses, with a message naming the field."""
 
+    status = 400
+
+
+class ItemForbidden(ItemError):
+    """An item the caller's key may not send."""
+
+    status = 403
+
 
 def describe(error: ValidationError, prefix: str = "") -> str:
     parts = []
@@ -75,8 +94,10 @@ def describe(error: ValidationError, prefix: str = "") -> str:
     return "; ".join(parts)
 
 
-def to_event(item: IngestItem, tenant: str, received_at: datetime) -> tuple[str, str, BaseModel]:
-    """(topic, partition key, event) for a validated item; ItemError if its body is bad."""
+def to_event(item: IngestItem, tenant: str, received_at: datetime,
+             arch: Architecture | None = None) -> tuple[str, str, BaseModel]:
+    """(topic, partition key, event) for a validated item; ItemError if its body is bad.
+    A trajectory's ids must fit `arch`, the serving policy's architecture."""
     try:
         if isinstance(item, FeedbackItem):
             body = item.body
@@ -87,6 +108,8 @@ def to_event(item: IngestItem, tenant: str, received_at: datetime) -> tuple[str,
                 {**item.body, "event_id": item.id, "tenant": tenant,
                  "timestamp": item.timestamp, "source": "sdk"}
             )
+            if arch is not None and (bad := misfit(trajectory, arch)):
+                raise ItemError(f"body.{bad[0]}: {bad[1]}")
             return Topics.TRAJECTORIES, trajectory.completion_id, trajectory
         elif item.type == "outcome":
             body = OutcomeBody.model_validate({"kind": "outcome", **item.body})

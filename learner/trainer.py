@@ -7,7 +7,6 @@ consecutive versions differ only where a bf16 value actually changed.
 from __future__ import annotations
 
 import json
-import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from learner import router_replay
 from learner.rl import RunningBaseline, group_advantages, policy_gradient_loss, version_minibatches
-from liverl.contracts import RewardedSample
+from liverl.contracts import Architecture, RewardedSample, misfit
 from liverl.settings import LearnerConfig
 
 PROBE_FILE = "liverl_probe.json"
@@ -80,20 +79,6 @@ def token_logprobs(model: torch.nn.Module, batch: Batch,
     return logp.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
 
 
-@dataclass(frozen=True)
-class Architecture:
-    """What a sample's ids must fit: the policy's vocabulary and its experts."""
-
-    vocab_size: int
-    layers: int
-    experts: int
-    top_k: int
-
-    @classmethod
-    def of(cls, config) -> Architecture:
-        return cls(config.vocab_size, config.num_hidden_layers, config.num_experts, config.num_experts_per_tok)
-
-
 def problem(sample: RewardedSample, arch: Architecture) -> str | None:
     """Why a sample cannot be trained on, or None: nothing malformed reaches a gradient."""
     t = sample.trajectory
@@ -101,21 +86,10 @@ def problem(sample: RewardedSample, arch: Architecture) -> str | None:
         return "no prompt or completion token ids"
     if len(t.completion_logprobs) != len(t.completion_token_ids):
         return "behaviour logprobs do not match the completion tokens"
-    if not all(0 <= i < arch.vocab_size for i in t.prompt_token_ids + t.completion_token_ids):
-        return f"token ids outside the vocabulary [0, {arch.vocab_size})"
-    if not all(math.isfinite(x) and x <= 0 for x in t.completion_logprobs):
-        return "behaviour logprobs must be finite and at most 0"
-    if not math.isfinite(sample.reward):
-        return "reward is not finite"
-    if t.routed_experts is not None:
-        tokens = len(t.prompt_token_ids) + len(t.completion_token_ids)
-        if len(t.routed_experts) > tokens or any(
-                len(layers) != arch.layers or any(len(k) != arch.top_k for k in layers)
-                for layers in t.routed_experts):
-            return (f"routed_experts must be [token][{arch.layers} layers][{arch.top_k} experts] "
-                    f"for at most {tokens} tokens")
-        if not all(0 <= e < arch.experts for layers in t.routed_experts for k in layers for e in k):
-            return f"expert ids outside [0, {arch.experts})"
+    if not all(x <= 0 for x in t.completion_logprobs):
+        return "behaviour logprobs must be at most 0"
+    if bad := misfit(t, arch):
+        return f"{bad[0]}: {bad[1]}"
     return None
 
 

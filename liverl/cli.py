@@ -98,18 +98,30 @@ def status(data_dir: Optional[Path] = DataDir, as_json: bool = typer.Option(Fals
 # --- keys ----------------------------------------------------------------------------------
 @keys_app.command("create")
 def keys_create(tenant: str, admin: bool = typer.Option(False, help="An admin key."),
+                scope: list[str] = typer.Option(["feedback"], help="What the key may send: feedback, "
+                                                "trajectories (trains the shared policy; repeat the option)."),
                 label: str = "", data_dir: Optional[Path] = DataDir) -> None:
     """Create a key; it is printed once and stored only as a hash."""
     from pydantic import ValidationError
 
     from liverl.keys import KeyStore
 
+    settings = settings_from(data_dir)
     try:
-        key, record = KeyStore(settings_from(data_dir).keys_file).create(
-            tenant, "admin" if admin else "tenant", label)
+        key, record = KeyStore(settings.keys_file).create(tenant, "admin" if admin else "tenant", label, scope)
     except ValidationError as error:
-        fail(f"tenant {tenant!r}: {error.errors()[0]['msg']} (it is stamped on events as an id)")
+        fail(f"{error.errors()[0]['loc'][0]} {error.errors()[0]['input']!r}: {error.errors()[0]['msg']}")
+    operator_audit(settings, "keys.create", tenant, key_id=record.key_id, role=record.role, scopes=record.scopes)
     console.print(f"key id {record.key_id} for tenant {tenant}:\n{key}")
+
+
+def operator_audit(settings: Settings, action: str, target: str, **details) -> None:
+    """The CLI acting on files directly: audited under the operating-system user."""
+    import getpass
+
+    from liverl.audit import AuditLog
+
+    AuditLog(settings.audit_file).record(f"cli:{getpass.getuser()}", action, target, **details)
 
 
 @keys_app.command("list")
@@ -124,10 +136,12 @@ def keys_list(data_dir: Optional[Path] = DataDir) -> None:
 def keys_revoke(key_id: str, data_dir: Optional[Path] = DataDir) -> None:
     from liverl.keys import KeyStore
 
+    settings = settings_from(data_dir)
     try:
-        KeyStore(settings_from(data_dir).keys_file).revoke(key_id)
+        record = KeyStore(settings.keys_file).revoke(key_id)
     except KeyError as error:
         fail(str(error))
+    operator_audit(settings, "keys.revoke", record.tenant, key_id=key_id)
     console.print(f"revoked {key_id}")
 
 

@@ -11,7 +11,7 @@ import uuid
 from datetime import datetime, timezone
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, field_validator
 
 SCHEMA_VERSION = 1
 
@@ -42,12 +42,15 @@ def new_id(prefix: str) -> str:
 
 
 class Strict(BaseModel):
-    """Unknown fields are errors: a typo must not silently drop a signal."""
+    """Unknown fields are errors: a typo must not silently drop a signal. NaN and infinity
+    are errors too: JSON cannot carry them, so what the API accepts the stream can read."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 Id = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:\-]+$")]
+# A tenant's name holds no ':', so "<tenant>:<id>" names (sample ids) are unambiguous.
+TenantId = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._\-]+$")]
 # A policy version's name ("v12"). It becomes a directory name on every replica and a key
 # in the delta store, so a name read from anywhere is checked against this first.
 VersionName = Annotated[str, Field(pattern=r"^v[0-9]{1,9}$")]
@@ -81,8 +84,8 @@ class Trajectory(Strict):
 
     event_id: Id
     schema_version: int = SCHEMA_VERSION
-    tenant: Id
-    timestamp: datetime = Field(default_factory=utcnow)
+    tenant: TenantId
+    timestamp: AwareDatetime = Field(default_factory=utcnow)
     completion_id: Id
     group_id: Id | None = Field(None, description="Completions sampled for one prompt.")
     policy_version: str
@@ -105,13 +108,46 @@ class Trajectory(Strict):
     time_to_first_token_ms: float | None = None
 
 
+class Architecture(BaseModel):
+    """What a trajectory's ids must fit: the serving policy's vocabulary and experts."""
+
+    vocab_size: int
+    layers: int
+    experts: int
+    top_k: int
+
+    @classmethod
+    def of(cls, config) -> Architecture:
+        """From an HF config (object or config.json dict) of an MoE causal LM."""
+        get = config.get if isinstance(config, dict) else lambda name: getattr(config, name)
+        return cls(vocab_size=get("vocab_size"), layers=get("num_hidden_layers"),
+                   experts=get("num_experts"), top_k=get("num_experts_per_tok"))
+
+
+def misfit(t: Trajectory, arch: Architecture) -> tuple[str, str] | None:
+    """(field, why) when a trajectory's token or expert ids cannot belong to `arch`."""
+    for field in ("prompt_token_ids", "completion_token_ids"):
+        if not all(0 <= i < arch.vocab_size for i in getattr(t, field)):
+            return field, f"token ids must be in [0, {arch.vocab_size})"
+    if t.routed_experts is not None:
+        tokens = len(t.prompt_token_ids) + len(t.completion_token_ids)
+        if len(t.routed_experts) > tokens or any(
+                len(layers) != arch.layers or any(len(k) != arch.top_k for k in layers)
+                for layers in t.routed_experts):
+            return "routed_experts", (f"must be [token][{arch.layers} layers][{arch.top_k} experts] "
+                                      f"for at most {tokens} tokens")
+        if not all(0 <= e < arch.experts for layers in t.routed_experts for k in layers for e in k):
+            return "routed_experts", f"expert ids must be in [0, {arch.experts})"
+    return None
+
+
 class RequestRecord(Strict):
     """Every gateway request, served or failed, for error-rate and latency per version."""
 
     event_id: Id
     schema_version: int = SCHEMA_VERSION
-    tenant: Id
-    timestamp: datetime = Field(default_factory=utcnow)
+    tenant: TenantId
+    timestamp: AwareDatetime = Field(default_factory=utcnow)
     completion_id: Id | None = None
     policy_version: str | None = None
     replica: str | None = None
@@ -183,9 +219,9 @@ class FeedbackEvent(Strict):
 
     event_id: Id
     schema_version: int = SCHEMA_VERSION
-    tenant: Id
-    timestamp: datetime
-    received_at: datetime = Field(default_factory=utcnow)
+    tenant: TenantId
+    timestamp: AwareDatetime
+    received_at: AwareDatetime = Field(default_factory=utcnow)
     body: FeedbackBody
 
 
@@ -198,8 +234,8 @@ class RewardedSample(Strict):
     revision: int = Field(0, description="Later feedback re-emits the sample with revision+1.")
     event_id: ScopedId = Field(description="Unique per (sample_id, revision).")
     schema_version: int = SCHEMA_VERSION
-    tenant: Id
-    timestamp: datetime = Field(default_factory=utcnow)
+    tenant: TenantId
+    timestamp: AwareDatetime = Field(default_factory=utcnow)
     reward: float
     reward_source: Literal["feedback", "default", "late"]
     reward_fn_version: str
@@ -211,7 +247,7 @@ class RewardedSample(Strict):
 class DeadLetter(Strict):
     event_id: Id
     schema_version: int = SCHEMA_VERSION
-    timestamp: datetime = Field(default_factory=utcnow)
+    timestamp: AwareDatetime = Field(default_factory=utcnow)
     source_topic: str
     reason: str
     tenant: str | None = None
@@ -223,7 +259,7 @@ class PolicyVersionEvent(Strict):
 
     event_id: Id
     schema_version: int = SCHEMA_VERSION
-    timestamp: datetime = Field(default_factory=utcnow)
+    timestamp: AwareDatetime = Field(default_factory=utcnow)
     version: str
     parent: str | None
     state: str

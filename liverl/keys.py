@@ -18,15 +18,19 @@ from typing import Literal
 from fastapi import Depends, Header, HTTPException, Request
 from pydantic import BaseModel, Field
 
-from liverl.contracts import Id
+from liverl.contracts import TenantId
 
 Role = Literal["tenant", "admin"]
+# What a tenant key may send: feedback on its completions, or trajectories that train the
+# shared policy, which is granted explicitly (`liverl keys create TENANT --scope trajectories`).
+Scope = Literal["feedback", "trajectories"]
 
 
 class KeyRecord(BaseModel):
     key_id: str
-    tenant: Id = Field(description="Stamped on every event the key writes, so it is an event id too.")
+    tenant: TenantId = Field(description="Stamped on every event the key writes.")
     role: Role
+    scopes: list[Scope] = Field(["feedback"], description="What the key may send (keys from before scopes: feedback).")
     created_at: datetime
     revoked_at: datetime | None = None
     label: str = ""
@@ -75,13 +79,15 @@ class KeyStore:
             record = self._load().get(hash_key(key))
         return record if record and record.revoked_at is None else None
 
-    def create(self, tenant: str, role: Role = "tenant", label: str = "") -> tuple[str, KeyRecord]:
+    def create(self, tenant: str, role: Role = "tenant", label: str = "",
+               scopes: list[Scope] | None = None) -> tuple[str, KeyRecord]:
         """Returns the plaintext key (shown once) and its record."""
         key = f"lrl_{'adm' if role == 'admin' else 'tnt'}_{secrets.token_urlsafe(24)}"
         record = KeyRecord(
             key_id=hash_key(key)[:12],
             tenant=tenant,
             role=role,
+            scopes=scopes or ["feedback"],
             created_at=datetime.now(timezone.utc),
             label=label,
         )

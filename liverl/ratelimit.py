@@ -23,18 +23,21 @@ class TenantRateLimiter:
         self._lock = threading.Lock()
 
     def take(self, tenant: str, cost: float = 1.0) -> float:
-        """Take `cost` tokens; returns 0 when allowed, else the seconds to wait."""
+        """Take `cost` tokens; returns 0 when allowed, else the seconds to wait. A cost
+        above the burst passes on a full bucket and leaves it in debt, so a big batch is
+        slowed, never refused for ever."""
         if self.rate <= 0:
             return 0.0
         now = time.monotonic()
+        needed = min(cost, self.burst)
         with self._lock:
             tokens, at = self._buckets.get(tenant, (self.burst, now))
             tokens = min(self.burst, tokens + (now - at) * self.rate)
-            if tokens >= cost:
+            if tokens >= needed:
                 self._buckets[tenant] = (tokens - cost, now)
                 return 0.0
             self._buckets[tenant] = (tokens, now)
-            return (min(cost, self.burst) - tokens) / self.rate
+            return (needed - tokens) / self.rate
 
     def check(self, tenant: str, cost: float = 1.0) -> None:
         """Raise 429 with Retry-After (whole seconds, at least 1) when over the limit."""

@@ -162,7 +162,7 @@ def ensure_dev_keys(settings: Settings) -> Path:
     path = settings.dev_keys_file
     if not path.exists():
         store = KeyStore(settings.keys_file)
-        tenant_key, _ = store.create("dev", "tenant", "development tenant key")
+        tenant_key, _ = store.create("dev", "tenant", "development tenant key", ["feedback", "trajectories"])
         admin_key, _ = store.create("admin", "admin", "development admin key")
         write_private(path, json.dumps({"tenant": "dev", "tenant_key": tenant_key, "admin_key": admin_key}))
     return path

@@ -12,9 +12,9 @@ import torch
 from helpers import sql, wait_for
 from test_distributed_learner import sampled
 
-from learner.trainer import Architecture, Trainer, problem
+from learner.trainer import Trainer, problem
 from liverl.audit import AuditLog
-from liverl.contracts import RewardedSample, Topics
+from liverl.contracts import Architecture, RewardedSample, Topics
 from liverl.kafka import encode, produce_sync
 from liverl.keys import KeyStore, admin_headers
 from liverl.settings import LearnerConfig
