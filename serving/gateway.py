@@ -19,11 +19,14 @@ import httpx
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import Counter, Histogram
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from liverl.contracts import RequestRecord, SamplingParams, Topics, Trajectory, new_id
+from liverl.contracts import Id, RequestRecord, SamplingParams, Topics, Trajectory, new_id
+from liverl.http import refuse_deep_json
 from liverl.kafka import encode, make_producer
 from liverl.keys import KeyRecord, KeyStore, require_key
 from liverl.observability import log, mount_metrics, setup_logging
+from liverl.ratelimit import TenantRateLimiter
 from liverl.settings import Settings, get_settings
 from serving.replicas import SERVED_MODEL_NAME, Pool, Replica, pool_file, read_pool
 
@@ -35,6 +38,36 @@ logger = setup_logging("gateway")
 
 class NoReplica(Exception):
     pass
+
+
+# --- What a request may ask: the fields the gateway reads or records are checked before
+# anything is forwarded; anything else is vLLM's to accept or refuse (it is forwarded).
+class CompletionRequest(BaseModel):
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    model: str | None = None
+    prompt: str | list[int] = Field(description="Text, or token ids.")
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: int = Field(1, ge=1, le=16, description="Choices; each is recorded as its own completion.")
+    logprobs: int | None = Field(None, ge=0, le=20)
+    seed: int | None = None
+    stream: bool = False
+
+
+class ChatRequest(CompletionRequest):
+    prompt: None = Field(None, exclude=True)
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+
+GROUP_ID = TypeAdapter(Id)  # a group id is recorded as an id: checked like one
+
+
+def request_schema(model: type[BaseModel]) -> dict:
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
 
 
 class Router:
@@ -98,10 +131,11 @@ def choice_logprobs(choice: dict[str, Any], chat: bool) -> list[float]:
     return [lp for lp in logprobs.get("token_logprobs") or [] if lp is not None]
 
 
-class Accumulator:
-    """Gathers one choice's tokens from a response or from stream chunks."""
+class Choice:
+    """One choice's tokens, gathered from a response or from stream chunks."""
 
-    def __init__(self) -> None:
+    def __init__(self, completion_id: str) -> None:
+        self.completion_id = completion_id
         self.text: list[str] = []
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
@@ -109,20 +143,52 @@ class Accumulator:
         self.routed_experts: Any = None
         self.finish_reason: str | None = None
 
+
+class Accumulator:
+    """Every choice of one request, each recorded as its own completion: choice 0 takes
+    the request's completion id, choice i > 0 one of its own."""
+
+    def __init__(self, completion_id: str) -> None:
+        self.completion_id = completion_id
+        self.prompt_token_ids: list[int] = []
+        self.choices: dict[int, Choice] = {}
+
+    def choice(self, index: int) -> Choice:
+        if index not in self.choices:
+            self.choices[index] = Choice(self.completion_id if index == 0 else new_id("cmpl"))
+        return self.choices[index]
+
     def add(self, payload: dict[str, Any], chat: bool) -> None:
         if payload.get("prompt_token_ids"):
             self.prompt_token_ids = payload["prompt_token_ids"]
-        for choice in payload.get("choices") or []:
-            if choice.get("index", 0) != 0:
-                continue
-            if choice.get("prompt_token_ids"):
-                self.prompt_token_ids = choice["prompt_token_ids"]
-            piece = (choice.get("message") or choice.get("delta") or {}).get("content") if chat else choice.get("text")
-            self.text.append(piece or "")
-            self.token_ids.extend(choice.get("token_ids") or [])
-            self.logprobs.extend(choice_logprobs(choice, chat))
-            self.routed_experts = choice.get("routed_experts", self.routed_experts)
-            self.finish_reason = choice.get("finish_reason") or self.finish_reason
+        for raw in payload.get("choices") or []:
+            choice = self.choice(int(raw.get("index") or 0))
+            raw["completion_id"] = choice.completion_id  # the client learns each choice's id
+            if raw.get("prompt_token_ids"):
+                choice.prompt_token_ids = raw["prompt_token_ids"]
+            piece = (raw.get("message") or raw.get("delta") or {}).get("content") if chat else raw.get("text")
+            choice.text.append(piece or "")
+            choice.token_ids.extend(raw.get("token_ids") or [])
+            choice.logprobs.extend(choice_logprobs(raw, chat))
+            choice.routed_experts = raw.get("routed_experts", choice.routed_experts)
+            choice.finish_reason = raw.get("finish_reason") or choice.finish_reason
+
+
+def refuse(status: int, message: str, kind: str = "invalid_request_error",
+           headers: dict | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status,
+                        headers=headers)
+
+def upstream_error(status: int, content: bytes, headers: dict) -> JSONResponse:
+    """The replica's own refusal, with its status, in the shape OpenAI clients read."""
+    try:
+        payload = json.loads(content)
+        if isinstance(payload, dict) and "error" in payload:
+            return JSONResponse(payload, status, headers=headers)
+        message = json.dumps(payload)
+    except ValueError:
+        message = content.decode(errors="replace")
+    return refuse(status, message[:500] or f"replica answered {status}", "upstream_error", headers)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -140,6 +206,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app = FastAPI(title="liverl gateway", lifespan=lifespan)
     app.state.keys = KeyStore(settings.keys_file)
+    refuse_deep_json(app)
+    limiter = TenantRateLimiter(settings.serving.tenant_requests_per_s, settings.serving.tenant_requests_burst)
     router = Router(settings)
     recording: set[asyncio.Task] = set()
     mount_metrics(app)
@@ -148,7 +216,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         """Record after answering, and survive the client hanging up mid-stream."""
         task = asyncio.create_task(coroutine)
         recording.add(task)
-        task.add_done_callback(recording.discard)
+        task.add_done_callback(settled)
+
+    def settled(task: asyncio.Task) -> None:
+        recording.discard(task)
+        if not task.cancelled() and (error := task.exception()) is not None:
+            RECORD_FAILURES.inc()  # a recording that failed in a way nobody foresaw is still counted
+            log(logger, "recording failed", error=repr(error))
 
     async def record(event: Trajectory | RequestRecord, topic: str, key: str) -> None:
         try:
@@ -160,28 +234,40 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             log(logger, "could not record", topic=topic, error=repr(error))
 
     async def finish(
-        endpoint: str, key: KeyRecord, body: dict, replica: Replica, completion_id: str,
-        acc: Accumulator, started: float, first_token: float | None, chat: bool,
-        group_id: str | None,
+        endpoint: str, key: KeyRecord, asked: CompletionRequest, replica: Replica, acc: Accumulator,
+        started: float, first_token: float | None, chat: bool, group_id: str | None,
     ) -> None:
+        """Record each choice as a trajectory, and the request. A choice that cannot be
+        recorded is counted and named in the request's row, never silently lost."""
         latency = (time.perf_counter() - started) * 1000
-        prompt_text = json.dumps(body.get("messages")) if chat else str(body.get("prompt", ""))
-        trajectory = Trajectory(
-            event_id=completion_id, tenant=key.tenant, completion_id=completion_id,
-            group_id=group_id,
-            policy_version=replica.policy_version, replica=replica.name,
-            prompt_text=prompt_text, completion_text="".join(acc.text),
-            prompt_token_ids=acc.prompt_token_ids, completion_token_ids=acc.token_ids,
-            completion_logprobs=acc.logprobs, routed_experts=acc.routed_experts,
-            sampling=SamplingParams(
-                temperature=body.get("temperature", 1.0), top_p=body.get("top_p", 1.0),
-                max_tokens=body.get("max_tokens"), seed=body.get("seed"),
-            ),
-            finish_reason=acc.finish_reason, latency_ms=latency,
-            time_to_first_token_ms=None if first_token is None else (first_token - started) * 1000,
-        )
-        await record(trajectory, Topics.TRAJECTORIES, completion_id)
-        await record_request(endpoint, key, 200, latency, replica, completion_id, bool(body.get("stream")))
+        prompt_text = json.dumps(asked.messages) if chat else str(asked.prompt)
+        # Choices sampled together for one prompt form a group unless the client named one.
+        group_id = group_id or (acc.completion_id if len(acc.choices) > 1 else None)
+        failed = []
+        for choice in acc.choices.values():
+            try:
+                trajectory = Trajectory(
+                    event_id=choice.completion_id, tenant=key.tenant, completion_id=choice.completion_id,
+                    group_id=group_id, policy_version=replica.policy_version, replica=replica.name,
+                    prompt_text=prompt_text, completion_text="".join(choice.text),
+                    prompt_token_ids=choice.prompt_token_ids or acc.prompt_token_ids,
+                    completion_token_ids=choice.token_ids, completion_logprobs=choice.logprobs,
+                    routed_experts=choice.routed_experts,
+                    sampling=SamplingParams(
+                        temperature=1.0 if asked.temperature is None else asked.temperature,
+                        top_p=1.0 if asked.top_p is None else asked.top_p,
+                        max_tokens=asked.max_tokens, seed=asked.seed,
+                    ),
+                    finish_reason=choice.finish_reason, latency_ms=latency,
+                    time_to_first_token_ms=None if first_token is None else (first_token - started) * 1000,
+                )
+            except ValidationError as error:
+                RECORD_FAILURES.inc()
+                failed.append(f"{choice.completion_id}: {error.errors()[0]['msg']}")
+                continue
+            await record(trajectory, Topics.TRAJECTORIES, choice.completion_id)
+        error = f"not recorded: {'; '.join(failed)}"[:500] if failed else None
+        await record_request(endpoint, key, 200, latency, replica, acc.completion_id, asked.stream, error)
 
     async def record_request(
         endpoint: str, key: KeyRecord, status: int, latency: float, replica: Replica | None,
@@ -196,62 +282,93 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             endpoint=endpoint, status=status, error=error, latency_ms=latency, stream=stream,
         ), Topics.REQUESTS, completion_id or key.tenant)
 
-    def error_response(status: int, message: str, kind: str) -> JSONResponse:
-        return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status)
-
     async def complete(request: Request, key: KeyRecord, endpoint: str, chat: bool):
         started = time.perf_counter()
+        stream = False
+
+        async def refused(status: int, message: str, **kwargs) -> JSONResponse:
+            await record_request(endpoint, key, status, (time.perf_counter() - started) * 1000,
+                                 None, None, stream, message[:500])
+            return refuse(status, message, **kwargs)
+
+        if wait := limiter.take(key.tenant):
+            return await refused(429, f"tenant {key.tenant!r} is over its rate limit; retry later",
+                                 kind="rate_limit_error", headers={"Retry-After": str(max(1, int(wait + 0.999)))})
         try:
             body = await request.json()
-            if not isinstance(body, dict):
-                raise ValueError("the body must be a JSON object")
-        except ValueError as error:
-            await record_request(endpoint, key, 400, 0.0, None, None, False, str(error))
-            return error_response(400, f"malformed JSON: {error}", "invalid_request_error")
+        except (ValueError, RecursionError) as error:
+            return await refused(400, f"malformed JSON: {str(error)[:200] or 'nested too deeply'}")
+        if not isinstance(body, dict):
+            return await refused(400, "the body must be a JSON object")
+        try:
+            asked = (ChatRequest if chat else CompletionRequest).model_validate(body)
+        except ValidationError as error:
+            e = error.errors()[0]
+            return await refused(400, f"{'.'.join(map(str, e['loc']))}: {e['msg']}")
+        stream = asked.stream
+        # Completions sampled for one prompt (rollout groups) share this header.
+        group_id = request.headers.get("x-liverl-group-id")
+        if group_id is not None:
+            try:
+                GROUP_ID.validate_python(group_id)
+            except ValidationError as error:
+                return await refused(400, f"x-liverl-group-id: {error.errors()[0]['msg']}")
         try:
             replica = await router.pick()
         except NoReplica as error:
-            await record_request(endpoint, key, 503, 0.0, None, None, False, str(error))
-            return error_response(503, str(error), "service_unavailable")
+            return await refused(503, str(error), kind="service_unavailable")
         completion_id = new_id("cmpl")
-        # Completions sampled for one prompt (rollout groups) share this header.
-        group_id = request.headers.get("x-liverl-group-id")
         url = f"{replica.url}/v1/{'chat/completions' if chat else 'completions'}"
         headers = {"x-liverl-policy-version": replica.policy_version, "x-liverl-completion-id": completion_id}
+        forwarded = app.state.http.build_request("POST", url, json=upstream_body(body, chat))
         router.inflight[replica.name] += 1
-        try:
-            upstream = await app.state.http.send(
-                app.state.http.build_request("POST", url, json=upstream_body(body, chat)), stream=True
-            )
-        except httpx.HTTPError as error:
-            router.inflight[replica.name] -= 1
-            latency = (time.perf_counter() - started) * 1000
-            await record_request(endpoint, key, 502, latency, replica, None, False, repr(error))
-            return error_response(502, f"replica {replica.name} failed: {error!r}", "upstream_error")
-        if upstream.status_code != 200:
-            content = await upstream.aread()
-            await upstream.aclose()
-            router.inflight[replica.name] -= 1
-            latency = (time.perf_counter() - started) * 1000
-            await record_request(endpoint, key, upstream.status_code, latency, replica, None,
-                                 bool(body.get("stream")), content.decode(errors="replace")[:500])
-            return JSONResponse(json.loads(content or b"{}"), upstream.status_code, headers=headers)
+        released = False
 
-        acc = Accumulator()
-        if not body.get("stream"):
+        def release() -> None:  # exactly once, whatever path the request takes
+            nonlocal released
+            if not released:
+                released = True
+                router.inflight[replica.name] -= 1
+
+        try:
+            upstream = await app.state.http.send(forwarded, stream=True)
+        except httpx.HTTPError as error:
+            release()
+            latency = (time.perf_counter() - started) * 1000
+            await record_request(endpoint, key, 502, latency, replica, None, stream, repr(error))
+            return refuse(502, f"replica {replica.name} failed: {error!r}", "upstream_error")
+        except BaseException:
+            release()
+            raise
+        if upstream.status_code != 200:
             try:
-                payload = json.loads(await upstream.aread())
+                content = await upstream.aread()
             finally:
                 await upstream.aclose()
-                router.inflight[replica.name] -= 1
-            acc.add(payload, chat)
+                release()
+            latency = (time.perf_counter() - started) * 1000
+            await record_request(endpoint, key, upstream.status_code, latency, replica, None, stream,
+                                 content.decode(errors="replace")[:500])
+            return upstream_error(upstream.status_code, content, headers)
+
+        acc = Accumulator(completion_id)
+        if not stream:
+            try:
+                payload = json.loads(await upstream.aread())
+                acc.add(payload, chat)
+            except (ValueError, TypeError, AttributeError) as error:
+                await record_request(endpoint, key, 502, (time.perf_counter() - started) * 1000, replica,
+                                     None, stream, f"unreadable replica answer: {error!r}"[:500])
+                return refuse(502, f"replica {replica.name} answered something unreadable", "upstream_error")
+            finally:
+                await upstream.aclose()
+                release()
             payload["id"] = completion_id
             payload["completion_id"] = completion_id
             payload["model"] = body.get("model", SERVED_MODEL_NAME)
             payload["choices"] = [client_view(c, body, chat) for c in payload.get("choices", [])]
             payload.pop("prompt_token_ids", None)
-            in_background(finish(endpoint, key, body, replica, completion_id, acc, started, None,
-                                 chat, group_id))
+            in_background(finish(endpoint, key, asked, replica, acc, started, None, chat, group_id))
             return JSONResponse(payload, headers=headers)
 
         async def relay() -> AsyncIterator[bytes]:
@@ -273,17 +390,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 yield b"data: [DONE]\n\n"
             finally:
                 await upstream.aclose()
-                router.inflight[replica.name] -= 1
-                in_background(finish(endpoint, key, body, replica, completion_id, acc, started,
-                                     first_token, chat, group_id))
+                release()
+                in_background(finish(endpoint, key, asked, replica, acc, started, first_token, chat, group_id))
 
         return StreamingResponse(relay(), media_type="text/event-stream", headers=headers)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=request_schema(CompletionRequest))
     async def completions(request: Request, key: KeyRecord = Depends(require_key)):
         return await complete(request, key, "completions", chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=request_schema(ChatRequest))
     async def chat_completions(request: Request, key: KeyRecord = Depends(require_key)):
         return await complete(request, key, "chat/completions", chat=True)
 

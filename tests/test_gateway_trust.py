@@ -1,0 +1,88 @@
+"""The gateway records what it answers, refuses before forwarding what it could not
+record, never leaks an in-flight count, and answers hostile input with a 4xx."""
+
+from __future__ import annotations
+
+import uuid
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+from helpers import sql, wait_for
+
+from liverl.keys import KeyStore
+from liverl.settings import ServingConfig, Settings
+from serving.gateway import create_app, upstream_error
+
+
+@pytest.fixture(scope="module")
+def gateway(settings, dev_keys):
+    with httpx.Client(base_url=settings.url(settings.ports.gateway), timeout=60,
+                      headers={"Authorization": f"Bearer {dev_keys['tenant_key']}"}) as client:
+        yield client
+
+
+def inflight(settings) -> list[int]:
+    return [r["inflight"] for r in httpx.get(settings.url(settings.ports.gateway) + "/health").json()["replicas"]]
+
+
+@pytest.mark.parametrize("group_id", ["has space", "a/b", "x" * 129])
+def test_a_group_id_that_cannot_be_recorded_is_refused_before_forwarding(settings, gateway, group_id):
+    response = gateway.post("/v1/completions", json={"prompt": "x = ", "max_tokens": 2},
+                            headers={"x-liverl-group-id": group_id})
+    assert response.status_code == 400 and "x-liverl-group-id" in response.json()["error"]["message"]
+    assert "x-liverl-completion-id" not in response.headers  # no replica was asked
+
+
+@pytest.mark.parametrize("field, value", [("logprobs", "x"), ("logprobs", [1]), ("temperature", 1e400),
+                                          ("max_tokens", -1), ("n", 0), ("prompt", {"a": 1})])
+def test_bad_fields_are_400_naming_them_and_leak_nothing(settings, gateway, field, value):
+    body = {"prompt": "x = ", "max_tokens": 2} | {field: value}
+    raw = httpx.Request("POST", "/", json=body).content if value != 1e400 else (
+        b'{"prompt": "x = ", "max_tokens": 2, "temperature": 1e400}')
+    response = gateway.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+    assert response.status_code == 400 and field in response.json()["error"]["message"], response.text
+    assert inflight(settings) == [0] * len(inflight(settings))
+
+
+def test_deep_json_is_400(gateway):
+    response = gateway.post("/v1/chat/completions", content=b"[" * 50_000 + b"]" * 50_000,
+                            headers={"content-type": "application/json"})
+    assert response.status_code == 400
+
+
+def test_null_sampling_settings_are_served_and_recorded(settings, gateway):
+    response = gateway.post("/v1/completions", json={"prompt": "y = ", "max_tokens": 3,
+                                                      "temperature": None, "top_p": None})
+    assert response.status_code == 200, response.text
+    cid = response.json()["completion_id"]
+    row = wait_for(lambda: sql(settings, f"SELECT count() AS n FROM trajectories WHERE completion_id = '{cid}'")[0]["n"])
+    assert row == 1
+
+
+def test_every_choice_is_its_own_completion_in_one_group(settings, gateway):
+    response = gateway.post("/v1/completions", json={"prompt": "def f(", "max_tokens": 4, "n": 3})
+    assert response.status_code == 200, response.text
+    ids = [c["completion_id"] for c in response.json()["choices"]]
+    assert len(set(ids)) == 3 and ids[0] == response.json()["completion_id"]
+    listed = "', '".join(ids)
+    rows = wait_for(lambda: (r := sql(settings, f"SELECT completion_id, group_id, completion_tokens FROM trajectories "
+                                                f"WHERE completion_id IN ('{listed}')")) and len(r) == 3 and r)
+    assert {r["group_id"] for r in rows} == {ids[0]}
+    assert all(r["completion_tokens"] > 0 for r in rows)
+
+
+def test_a_replicas_non_json_error_keeps_its_status_in_openai_shape():
+    response = upstream_error(500, b"Internal Server Error", {})
+    assert response.status_code == 500 and b'"message":"Internal Server Error"' in response.body
+
+
+def test_a_tenant_over_its_rate_gets_429_with_retry_after(tmp_path):
+    settings = Settings(data_dir=tmp_path, serving=ServingConfig(tenant_requests_per_s=0.5, tenant_requests_burst=1,
+                                                                 no_replica_wait_s=0))
+    key, _ = KeyStore(settings.keys_file).create("busy")
+    client = TestClient(create_app(settings))  # no replica: the first request is a 503, the next over the limit
+    headers = {"Authorization": f"Bearer {key}"}
+    assert client.post("/v1/completions", json={"prompt": "x"}, headers=headers).status_code == 503
+    limited = client.post("/v1/completions", json={"prompt": "x"}, headers=headers)
+    assert limited.status_code == 429 and int(limited.headers["retry-after"]) >= 1
