@@ -28,6 +28,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from liverl.keys import admin_headers
 from liverl.settings import Settings
 from liverl.stack import down, drain, read_manifest, up
 from serving.replicas import read_pool
@@ -120,7 +121,7 @@ def visibility(settings: Settings, key: str, samples: int) -> dict:
             while True:
                 rows = httpx.post(sink, json={"sql": f"SELECT count() AS n FROM feedback_events "
                                                      f"WHERE event_id = '{event_id}'", "format": "json"},
-                                  timeout=30).json()["data"]
+                                  headers=admin_headers(settings), timeout=30).json()["data"]
                 if rows[0]["n"]:
                     break
                 time.sleep(0.02)

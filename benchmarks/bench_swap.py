@@ -97,7 +97,7 @@ def main(replicas: int = 2, minutes: float = 4.0, users: int = 4, seed: int = 0,
         population.stop(threads)
         drain(settings, settings.drain_timeout_s, say=lambda _: None)
         response = httpx.post(settings.url(settings.ports.sink) + "/sql", timeout=60,
-                              json={"sql": STATUS_SQL, "format": "json"})
+                              headers=admin_headers(settings), json={"sql": STATUS_SQL, "format": "json"})
         statuses = json.loads(response.raise_for_status().text)["data"]
         swaps = swaps_table(Registry(settings.policies_dir))
         idle = idle_swaps(settings, rounds=idle_rounds)

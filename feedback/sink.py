@@ -14,15 +14,17 @@ import hashlib
 import json
 from contextlib import asynccontextmanager
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Literal
 
 from aiokafka import AIOKafkaConsumer
-from fastapi import FastAPI, HTTPException
+from fastapi import Depends, FastAPI, HTTPException
 from fastapi.responses import PlainTextResponse
 from prometheus_client import Counter, Gauge
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
-from feedback.warehouse import FORMATS, ReadOnlyViolation, Warehouse, check_read_only, open_warehouse, query_json
+from feedback.analyst_sql import RefusedQuery, prepare
+from feedback.warehouse import FORMATS, Warehouse, open_warehouse, query_json
+from liverl.audit import AuditLog
 from liverl.contracts import (
     DeadLetter,
     FeedbackEvent,
@@ -32,6 +34,8 @@ from liverl.contracts import (
     Topics,
     Trajectory,
 )
+from liverl.http import refuse_deep_json
+from liverl.keys import KeyRecord, KeyStore, require_key
 from liverl.observability import log, mount_metrics, setup_logging
 from liverl.settings import Settings, get_settings
 
@@ -189,8 +193,8 @@ async def consume(settings: Settings, sink: Sink, stop: asyncio.Event) -> None:
 
 
 class SqlRequest(BaseModel):
-    sql: str
-    format: str = "json"
+    sql: str = Field(max_length=100_000, description="One SELECT over liverl's tables.")
+    format: Literal["json", "csv", "table"] = "json"
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -209,6 +213,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.warehouse.close()
 
     app = FastAPI(title="liverl analytics sink", lifespan=lifespan)
+    app.state.keys = KeyStore(settings.keys_file)
+    refuse_deep_json(app)
+    audit = AuditLog(settings.audit_file)
     mount_metrics(app)
 
     @app.get("/health")
@@ -219,16 +226,19 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return {"ok": True}
 
     @app.post("/sql", response_class=PlainTextResponse)
-    async def sql(body: SqlRequest) -> str:
-        if body.format not in FORMATS:
-            raise HTTPException(422, f"format: one of {sorted(FORMATS)}")
+    async def sql(body: SqlRequest, key: KeyRecord = Depends(require_key)) -> str:
+        """Analysts' SQL (feedback/analyst_sql.py): an admin key reads every tenant, a
+        tenant key its own rows; every query is audited."""
+        tenant = None if key.role == "admin" else key.tenant
+        audit.record(key.key_id, "sql", key.tenant, query=body.sql[:2000])
         try:
-            statement = check_read_only(body.sql)
-            return await asyncio.to_thread(app.state.warehouse.query, statement, FORMATS[body.format])
-        except ReadOnlyViolation as error:
+            statement = prepare(body.sql, tenant)
+        except RefusedQuery as error:
             raise HTTPException(403, str(error)) from None
+        try:
+            return await asyncio.to_thread(app.state.warehouse.query, statement, FORMATS[body.format])
         except Exception as error:  # ClickHouse's own message is what an analyst needs
-            raise HTTPException(400, str(error).splitlines()[0]) from None
+            raise HTTPException(400, (str(error).strip().splitlines() or ["query failed"])[0][:500]) from None
 
     return app
 

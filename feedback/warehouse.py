@@ -8,7 +8,6 @@ hourly rollup (fed by a materialized view at insert time) counts each event once
 from __future__ import annotations
 
 import json
-import re
 import threading
 from pathlib import Path
 from typing import Protocol
@@ -75,21 +74,6 @@ ROLLUP_SQL = """SELECT policy_version, hour, sum(samples) AS n,
 FROM version_hourly GROUP BY policy_version, hour ORDER BY hour, policy_version"""
 
 FORMATS = {"json": "JSON", "csv": "CSVWithNames", "table": "PrettyCompactMonoBlock"}
-_READ_ONLY = re.compile(r"^\s*(SELECT|WITH|SHOW|DESCRIBE|DESC|EXPLAIN|EXISTS)\b", re.I)
-
-
-class ReadOnlyViolation(ValueError):
-    pass
-
-
-def check_read_only(sql: str) -> str:
-    """Analysts' SQL: one read-only statement."""
-    statement = sql.strip().rstrip(";")
-    if not _READ_ONLY.match(statement) or ";" in statement:
-        raise ReadOnlyViolation("only one read-only statement (SELECT, WITH, SHOW, ...) is allowed")
-    return statement
-
-
 class Warehouse(Protocol):
     def command(self, sql: str) -> None: ...
 
@@ -134,14 +118,15 @@ class ServerBackend:
     def __init__(self, config: ClickHouseServer):
         import clickhouse_connect
 
+        password = config.password.get_secret_value() if config.password else ""
         admin = clickhouse_connect.get_client(
-            host=config.host, port=config.port, username=config.username, password=config.password
+            host=config.host, port=config.port, username=config.username, password=password
         )
         admin.command(f"CREATE DATABASE IF NOT EXISTS {config.database}")
         admin.close()
         self._client = clickhouse_connect.get_client(
             host=config.host, port=config.port, username=config.username,
-            password=config.password, database=config.database,
+            password=password, database=config.database,
         )
         self._lock = threading.Lock()
 

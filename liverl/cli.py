@@ -147,8 +147,11 @@ def keys_revoke(key_id: str, data_dir: Optional[Path] = DataDir) -> None:
 
 # --- analytics -------------------------------------------------------------------------
 def run_sql(settings: Settings, sql: str, fmt: str) -> str:
+    """The operator's query, as admin (every tenant): the admin key from the keys file."""
+    from liverl.keys import admin_headers
+
     try:
-        response = httpx.post(settings.url(settings.ports.sink) + "/sql",
+        response = httpx.post(settings.url(settings.ports.sink) + "/sql", headers=admin_headers(settings),
                               json={"sql": sql, "format": fmt}, timeout=60)
     except httpx.ConnectError:
         fail("the analytics sink is not reachable; is the stack up (`liverl status`)?")

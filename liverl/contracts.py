@@ -119,9 +119,11 @@ class Architecture(BaseModel):
     @classmethod
     def of(cls, config) -> Architecture:
         """From an HF config (object or config.json dict) of an MoE causal LM."""
-        get = config.get if isinstance(config, dict) else lambda name: getattr(config, name)
+        get = config.get if isinstance(config, dict) else lambda name: getattr(config, name, None)
+        # config.json spells the expert count as Mixtral does, the loaded config as Qwen3-MoE.
+        experts = get("num_experts") or get("num_local_experts")
         return cls(vocab_size=get("vocab_size"), layers=get("num_hidden_layers"),
-                   experts=get("num_experts"), top_k=get("num_experts_per_tok"))
+                   experts=experts, top_k=get("num_experts_per_tok"))
 
 
 def misfit(t: Trajectory, arch: Architecture) -> tuple[str, str] | None:

@@ -27,6 +27,7 @@ from rich.live import Live
 from rich.table import Table
 
 from liverl.client import FeedbackClient
+from liverl.keys import admin_headers
 from liverl.settings import Settings, settings_with_defaults
 from policies.registry import Registry
 
@@ -253,7 +254,7 @@ def run_demo(settings: Settings, minutes: float, users: int, seed: int, max_toke
     console.print("[bold]starting the embedded stack[/bold]")
     up(settings, say=console.print)
     try:
-        keys = json.loads((settings.data_dir / "dev-keys.json").read_text())
+        keys = json.loads(settings.dev_keys_file.read_text())
         pop = Population(settings, keys["tenant_key"], users, seed, max_tokens)
         threads = pop.start()
         learner_url = settings.url(settings.ports.learner) + "/health"
@@ -269,7 +270,7 @@ def run_demo(settings: Settings, minutes: float, users: int, seed: int, max_toke
         pop.stop(threads)
         drain(settings, settings.drain_timeout_s, say=lambda _: None)
         per_version = json.loads(httpx.post(settings.url(settings.ports.sink) + "/sql", timeout=60, json={
-            "sql": VERSION_SQL, "format": "json"}).text)["data"]
+            "sql": VERSION_SQL, "format": "json"}, headers=admin_headers(settings)).raise_for_status().text)["data"]
         print_rows(per_version, "per policy version, from ClickHouse")
         result = summary(pop.tallies)
         result["feedback_to_serving_s"] = feedback_to_serving(settings)

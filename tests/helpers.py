@@ -7,11 +7,12 @@ from collections.abc import Callable
 
 import httpx
 
+from liverl.keys import admin_headers
 from liverl.settings import Settings
 
 
 def sql(settings: Settings, query: str) -> list[dict]:
-    response = httpx.post(settings.url(settings.ports.sink) + "/sql",
+    response = httpx.post(settings.url(settings.ports.sink) + "/sql", headers=admin_headers(settings),
                           json={"sql": query, "format": "json"}, timeout=30)
     response.raise_for_status()
     return response.json()["data"]
