@@ -54,6 +54,11 @@ TABLE_OF = {
 }
 
 
+def quote(value: str) -> str:
+    """A ClickHouse string literal."""
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
 def _ts(value: Any) -> str:
     return value.strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
 
@@ -106,17 +111,23 @@ class Sink:
     def __init__(self, warehouse: Warehouse):
         self.warehouse = warehouse
 
-    def _stored_ids(self, table: str, ids: list[str]) -> set[str]:
-        quoted = ",".join("'" + i.replace("\\", "\\\\").replace("'", "\\'") + "'" for i in ids)
-        rows = query_json(self.warehouse, f"SELECT event_id FROM {table} WHERE event_id IN ({quoted})")
-        return {r["event_id"] for r in rows}
+    def _stored_keys(self, table: str, keys: list[tuple[str | None, str]]) -> set[tuple[str | None, str]]:
+        """Which (tenant, event_id) pairs are stored: an event id is the tenant's own name,
+        so another tenant's event with the same id is not a duplicate."""
+        quoted = ",".join(quote(event_id) for _, event_id in keys)
+        tenant = "NULL" if table == "policy_versions" else "tenant"  # the one table without tenants
+        rows = query_json(self.warehouse, f"SELECT {tenant} AS tenant, event_id FROM {table} "
+                                          f"WHERE event_id IN ({quoted})")
+        return {(r["tenant"], r["event_id"]) for r in rows}
 
     def _previous_revision(self, sample_id: str, revision: int) -> dict | None:
-        rows = query_json(self.warehouse, f"SELECT reward, accepted FROM samples WHERE sample_id = '{sample_id}' "
+        rows = query_json(self.warehouse, f"SELECT reward, accepted FROM samples WHERE sample_id = {quote(sample_id)} "
                                           f"AND revision < {revision} ORDER BY revision DESC LIMIT 1")
         return rows[0] if rows else None
 
-    def sample_row(self, s: RewardedSample) -> dict:
+    def sample_row(self, s: RewardedSample, batch: dict[str, dict]) -> dict:
+        """The sample's row; `batch` holds this consumer batch's rows so far by sample id,
+        so a revision whose predecessor is in the same batch (not yet stored) corrects it."""
         judged = s.accepted is not None
         row = dict(event_id=s.event_id, sample_id=s.sample_id, revision=s.revision,
                    tenant=s.tenant, timestamp=_ts(s.timestamp),
@@ -127,7 +138,12 @@ class Sink:
                    completion_tokens=len(s.trajectory.completion_token_ids),
                    reward_delta=s.reward, accepted_delta=int(bool(s.accepted)),
                    judged_delta=int(judged), count_delta=1)
-        if s.revision and (prev := self._previous_revision(s.sample_id, s.revision)):
+        earlier = batch.get(s.sample_id)
+        if earlier is not None and earlier["revision"] < s.revision:
+            prev = earlier
+        else:
+            prev = self._previous_revision(s.sample_id, s.revision) if s.revision else None
+        if prev:
             # A correction: the rollup gets the difference, not a second sample.
             prev_judged = prev["accepted"] is not None
             row.update(reward_delta=s.reward - prev["reward"],
@@ -135,13 +151,13 @@ class Sink:
                        judged_delta=int(judged) - int(prev_judged), count_delta=0)
         return row
 
-    def to_row(self, topic: str, raw: bytes) -> dict:
+    def to_row(self, topic: str, raw: bytes, batch: dict[str, dict]) -> dict:
         if topic == Topics.FEEDBACK:
             return feedback_row(FeedbackEvent.model_validate_json(raw))
         if topic == Topics.TRAJECTORIES:
             return trajectory_row(Trajectory.model_validate_json(raw))
         if topic == Topics.SAMPLES:
-            return self.sample_row(RewardedSample.model_validate_json(raw))
+            return self.sample_row(RewardedSample.model_validate_json(raw), batch)
         if topic == Topics.REQUESTS:
             return request_row(RequestRecord.model_validate_json(raw))
         if topic == Topics.POLICY_VERSIONS:
@@ -150,10 +166,11 @@ class Sink:
 
     def store(self, topic: str, messages: list[bytes]) -> None:
         table = TABLE_OF[topic]
-        rows: dict[str, dict] = {}
+        rows: dict[tuple[str | None, str], dict] = {}
+        latest: dict[str, dict] = {}  # samples: the newest revision of each in this batch
         for raw in messages:
             try:
-                row = self.to_row(topic, raw)
+                row = self.to_row(topic, raw, latest)
             except ValidationError as error:
                 # Producers validate, so this is a bug or a foreign writer: keep it visible.
                 self.warehouse.insert("dead_letters", [dead_letter_row(DeadLetter(
@@ -162,10 +179,14 @@ class Sink:
                     payload=raw.decode(errors="replace")))])
                 ROWS.labels(table, "malformed").inc()
                 continue
-            rows.setdefault(row["event_id"], row)
+            key = (row.get("tenant"), row["event_id"])
+            if key not in rows:
+                rows[key] = row
+                if topic == Topics.SAMPLES:
+                    latest[row["sample_id"]] = row
         if not rows:
             return
-        stored = self._stored_ids(table, list(rows))
+        stored = self._stored_keys(table, list(rows))
         fresh = [r for i, r in rows.items() if i not in stored]
         if fresh:
             self.warehouse.insert(table, fresh)
