@@ -248,7 +248,8 @@ def create_app(settings: Settings) -> tuple[FastAPI, Learner]:
     @app.get("/health")
     def health() -> dict:
         return {"ok": True, "version": learner.current.version, "pending": len(learner.pending),
-                "paused": learner.paused.is_set(), "promoting": learner.promoter.busy.is_set()}
+                "paused": learner.paused.is_set(), "promoting": learner.promoter.busy.is_set(),
+                "promotion_error": learner.promoter.last_error}
 
     @app.post("/pause")
     def pause(reason: str = "", key: KeyRecord = Depends(require_admin)) -> dict:

@@ -28,6 +28,7 @@ class Promoter:
         self._offers: queue.Queue[PolicyVersion | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self.busy = threading.Event()
+        self.last_error: str | None = None  # the last promotion that failed unexpectedly, for /health
 
     def announce(self, version: PolicyVersion) -> None:
         event = PolicyVersionEvent(
@@ -115,7 +116,26 @@ class Promoter:
             self.busy.set()
             try:
                 result = self.promote(offer.version, "promoter")
+            except Exception as error:  # the promoter survives any one version, and says why
+                self.fail(offer.version, f"{type(error).__name__}: {error}")
+                continue
             finally:
                 self.busy.clear()
             log(logger, "promotion finished", version=offer.version, state=result.state,
                 seconds=round(time.time() - started, 1))
+
+    def fail(self, version: str, error: str) -> None:
+        """A promotion that raised: recorded on the version, which leaves canary, and
+        every replica goes back to the stable version."""
+        from serving.swap import roll_out
+
+        self.last_error = f"{version}: {error}"
+        log(logger, "promotion failed", version=version, error=error)
+        try:
+            self.registry.update_metrics(version, promotion_error=error)
+            if self.registry.get(version).state == "canary":
+                self.transition(version, "rolled_back", "promoter", f"promotion failed: {error}")
+            if stable := self.registry.stable():
+                roll_out(self.settings, stable.version, Path(stable.model_dir))
+        except Exception as again:
+            log(logger, "could not restore after a failed promotion", version=version, error=repr(again))

@@ -42,7 +42,6 @@ from liverl.settings import Settings
 from serving.replicas import (
     SERVED_MODEL_NAME,
     Replica,
-    ReplicaError,
     launch_replica,
     read_pool,
     wait_replica,
@@ -78,7 +77,8 @@ class SwapReport(BaseModel):
 
 
 def probe_diff(url: str, model_dir: Path) -> float:
-    """Max |served - trainer| logprob over the version's probe tokens."""
+    """Max |served - trainer| logprob over the version's probe tokens; NaN when the
+    replica's answer does not cover every probe token (so it cannot pass)."""
     probes = json.loads((model_dir / PROBE_FILE).read_text())["probes"]
 
     def worst_of(probe: dict) -> float:
@@ -87,9 +87,11 @@ def probe_diff(url: str, model_dir: Path) -> float:
             "temperature": 0, "prompt_logprobs": 0})
         response.raise_for_status()
         served = response.json()["choices"][0]["prompt_logprobs"][1:]
-        return max((abs(entry[str(token)]["logprob"] - expected)
-                    for token, expected, entry in zip(probe["token_ids"][1:], probe["logprobs"], served)),
-                   default=0.0)
+        expected = probe["logprobs"]
+        if len(served) != len(expected) or len(expected) != len(probe["token_ids"]) - 1:
+            raise VerificationFailed(f"the probe has {len(expected)} logprobs, the replica answered {len(served)}")
+        return max(abs(entry[str(token)]["logprob"] - want)
+                   for token, want, entry in zip(probe["token_ids"][1:], expected, served))
 
     # All at once, so the engine can batch them while the replica is out of rotation.
     with ThreadPoolExecutor(max(len(probes), 1)) as pool:
@@ -98,7 +100,7 @@ def probe_diff(url: str, model_dir: Path) -> float:
 
 def verify(url: str, model_dir: Path, tolerance: float) -> float:
     diff = probe_diff(url, model_dir)
-    if diff > tolerance:
+    if not diff <= tolerance:  # NaN included
         raise VerificationFailed(f"probe logprobs differ by {diff:.2e} (tolerance {tolerance:.0e})")
     return diff
 
@@ -173,8 +175,8 @@ def swap_in_place(settings: Settings, name: str, version: str, model_dir: Path) 
         report.verify_s = time.time() - t
         set_replica(settings, name, enabled=True, policy_version=version, model_dir=str(model_dir))
         report.ok = True
-    except (VerificationFailed, httpx.HTTPError) as error:
-        report.error = str(error)
+    except Exception as error:  # whatever failed, the replica goes back to verified old weights
+        report.error = f"{type(error).__name__}: {error}"
         report.reverted = revert(settings, old)
     report.pause_s = time.time() - paused
     return report
@@ -185,7 +187,7 @@ def revert(settings: Settings, old: Replica) -> bool:
     try:
         load_in_place(old.url, Path(old.model_dir))
         verify(old.url, Path(old.model_dir), settings.learner.probe_tolerance)
-    except (VerificationFailed, httpx.HTTPError):
+    except Exception:
         return swap_by_restart(settings, old.name, old.policy_version, Path(old.model_dir)).ok
     set_replica(settings, old.name, enabled=True)
     return True
@@ -233,9 +235,9 @@ def swap_by_restart(settings: Settings, name: str, version: str, model_dir: Path
         t = time.time()
         report.max_logprob_diff = verify(new.url, model_dir, settings.learner.probe_tolerance)
         report.verify_s = time.time() - t
-    except (ReplicaError, VerificationFailed, httpx.HTTPError) as error:
+    except Exception as error:  # the old replica serves on untouched
         stop_pid(process.pid)
-        report.error = str(error)
+        report.error = f"{type(error).__name__}: {error}"
         return report
     set_replica(settings, name, **new.model_dump(exclude={"name"}))
     report.drain_s = drain_in_flight(old.url, settings.serving.request_timeout_s)

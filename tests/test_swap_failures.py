@@ -1,0 +1,91 @@
+"""Every swap failure reverts and is recorded; the probe checks every token and NaN fails
+it; a promotion that raises leaves the promoter running and says why."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+
+import httpx
+import pytest
+from test_learning_plane import paused_learner  # noqa: F401 (a fixture)
+
+import serving.swap
+from learner.trainer import PROBE_FILE
+from liverl.settings import LearnerConfig, Settings
+from policies.promotion import Promoter
+from policies.registry import Registry
+from serving.replicas import read_pool
+from serving.swap import VerificationFailed, swap_in_place, verify
+
+
+def replica_answering(monkeypatch, logprobs: list[dict | None]) -> None:
+    """A replica whose prompt_logprobs are `logprobs` (a fake: no real replica answers
+    short or NaN logprobs on demand)."""
+    def post(url, **kwargs):
+        body = {"choices": [{"prompt_logprobs": logprobs}]}
+        return httpx.Response(200, content=json.dumps(body).encode(),  # NaN as vLLM would print it
+                              request=httpx.Request("POST", url))
+
+    monkeypatch.setattr(serving.swap.httpx, "post", post)
+
+
+@pytest.fixture()
+def probe_dir(tmp_path):
+    (tmp_path / PROBE_FILE).write_text(json.dumps({"probes": [{"token_ids": [1, 2, 3], "logprobs": [-1.0, -2.0]}]}))
+    return tmp_path
+
+
+def test_the_probe_checks_every_token(monkeypatch, probe_dir):
+    replica_answering(monkeypatch, [None, {"2": {"logprob": -1.0}}, {"3": {"logprob": -2.0}}])
+    assert verify("http://replica", probe_dir, 1e-4) == 0.0
+    replica_answering(monkeypatch, [None, {"2": {"logprob": -1.0}}])  # one logprob short
+    with pytest.raises(VerificationFailed, match="answered 1"):
+        verify("http://replica", probe_dir, 1e-4)
+
+
+def test_nan_fails_the_probe(monkeypatch, probe_dir):
+    replica_answering(monkeypatch, [None, {"2": {"logprob": float("nan")}}, {"3": {"logprob": -2.0}}])
+    with pytest.raises(VerificationFailed):
+        verify("http://replica", probe_dir, 1e-4)
+
+
+def test_a_swap_that_fails_in_any_way_reverts_and_says_why(settings, paused_learner, tmp_path):  # noqa: F811
+    replica = read_pool(settings).replicas[0]
+    broken = tmp_path / "no-probe"
+    shutil.copytree(replica.model_dir, broken)
+    (broken / PROBE_FILE).unlink()  # loads fine, cannot be verified
+    report = swap_in_place(settings, replica.name, "v999", broken)
+    assert not report.ok and report.reverted and "FileNotFoundError" in report.error
+    back = read_pool(settings).get(replica.name)
+    assert back.enabled and back.policy_version == replica.policy_version
+    assert httpx.post(settings.url(settings.ports.gateway) + "/v1/completions", timeout=60,
+                      headers={"Authorization": "Bearer " + json.loads(settings.dev_keys_file.read_text())["tenant_key"]},
+                      json={"prompt": "x = ", "max_tokens": 2}).status_code == 200
+
+
+def test_the_promoter_survives_a_promotion_that_raises(tmp_path, starter_dir):
+    settings = Settings(data_dir=tmp_path, learner=LearnerConfig(auto_promote=True))
+    registry = Registry(settings.policies_dir)
+    staged = tmp_path / "staged"
+    shutil.copytree(starter_dir, staged)
+    v0 = registry.publish(staged, parent=None, window=None, metrics={}, sample_ids=[], actor="test", state="stable")
+    passed = {"gate": {"passed": True}}
+    doomed = registry.publish(_copy(starter_dir, tmp_path / "a"), parent=v0.version, window=None,
+                              metrics=passed, sample_ids=[], actor="test")
+    shutil.rmtree(doomed.model_dir)  # retention took its weights: promote() raises
+    promoter = Promoter(settings, registry)
+    promoter.offer(registry.get(doomed.version))
+    deadline = time.time() + 30
+    while promoter.last_error is None and time.time() < deadline:
+        time.sleep(0.1)
+    assert promoter.last_error and doomed.version in promoter.last_error
+    assert "retention" in registry.get(doomed.version).metrics["promotion_error"]
+    assert promoter._thread.is_alive()  # and it takes the next candidate
+    promoter.stop()
+
+
+def _copy(source, target):
+    shutil.copytree(source, target)
+    return target
