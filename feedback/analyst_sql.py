@@ -52,7 +52,7 @@ ALLOWED_FUNCTIONS = {name.lower() for name in """
     replaceAll extract toString toFloat64 toInt64 toUInt64 toUInt32 toInt32 toUInt8
     toDecimal64 JSONExtractFloat JSONExtractInt JSONExtractBool JSONHas JSONLength
     visitParamExtractString arrayElement tupleElement empty notEmpty lagInFrame leadInFrame
-    intDiv modulo plus minus multiply divide negate equals notEquals exp10 sign
+    intDiv modulo plus minus multiply divide negate equals notEquals exp10 sign and or not xor array
 """.split()}
 
 
@@ -109,13 +109,15 @@ def scope_to_tenant(statement: exp.Expression, tenant: str) -> exp.Expression:
     for table in list(statement.find_all(exp.Table)):
         if table.name in ctes and not table.db:
             continue
+        final = isinstance(table.parent, exp.Final)  # `t FINAL` stays on the table itself
+        source = f"{DATABASE}.{table.name}{' FINAL' if final else ''}"
         if table.name in SHARED_TABLES:
-            inner = f"SELECT {SHARED_TABLES[table.name]} FROM {DATABASE}.{table.name}"
+            inner = f"SELECT {SHARED_TABLES[table.name]} FROM {source}"
         else:
-            inner = f"SELECT * FROM {DATABASE}.{table.name} WHERE tenant = {literal}"
+            inner = f"SELECT * FROM {source} WHERE tenant = {literal}"
         scoped = exp.Subquery(this=sqlglot.parse_one(inner, read="clickhouse"),
                               alias=exp.TableAlias(this=exp.to_identifier(table.alias_or_name)))
-        table.replace(scoped)
+        (table.parent if final else table).replace(scoped)
     return statement
 
 

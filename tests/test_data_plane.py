@@ -201,7 +201,7 @@ def test_window_closes_with_default_reward_and_late_feedback_is_a_revision(
 
 def test_sql_is_read_only_and_metrics_prints_the_rollup(settings):
     refused = liverl(settings, "sql", "DROP TABLE samples")
-    assert refused.returncode == 1 and "read-only" in refused.stdout
+    assert refused.returncode == 1 and "only SELECT" in refused.stdout
     rollup = liverl(settings, "metrics")
     assert rollup.returncode == 0 and "accept_rate" in rollup.stdout
 

@@ -71,6 +71,7 @@ SHAPES = {  # every way a tenant might reach another tenant's rows
     "alias named like another table": "SELECT DISTINCT samples.tenant AS tenant FROM feedback_events AS samples",
     "dead letters": "SELECT DISTINCT tenant FROM dead_letters",
     "rollup": "SELECT DISTINCT tenant FROM version_hourly",
+    "final": "SELECT DISTINCT s.tenant AS tenant FROM samples AS s FINAL",
 }
 
 
@@ -83,7 +84,8 @@ def two_tenants(settings, api):
     batch = {"batch": [item(f"sql-{marker}-{i}", {"kind": "accept", "completion_id": f"nope-{marker}"})
                        for i in range(3)]}
     api.post("/v1/ingestion", json=batch)
-    httpx.post(str(api.base_url) + "/v1/ingestion", json=batch, headers={"Authorization": f"Bearer {other_key}"})
+    httpx.post(settings.url(settings.ports.api) + "/v1/ingestion", json=batch,
+               headers={"Authorization": f"Bearer {other_key}"})
     wait_for(lambda: len(sql(settings, f"SELECT DISTINCT tenant FROM feedback_events WHERE "
                                        f"position(event_id, '{marker}') > 0")) == 2, timeout=30)
     return other, other_key
