@@ -161,6 +161,12 @@ class ServingConfig(Config):
         "per replica); mp, vLLM's CPU default and what tensor parallelism needs, in worker processes "
         "that spin a core for a second after every message.",
     )
+    listen: Literal["unix", "tcp"] = Field(
+        "unix", description="unix: each replica listens on a socket in a directory only liverl's "
+        "user can open, so no other local process reaches vLLM's dev endpoints; tcp: on "
+        "ports.replica_base + i, for replicas in other hosts or containers (a network policy must "
+        "then keep everyone but the gateway and the swap code out).",
+    )
     max_model_len: int = Field(512, ge=16, description="Longest prompt + completion served.")
     dtype: str = Field("float32", description="Compute dtype of the replicas (fp32 on CPU).")
     start_timeout_s: float = Field(240.0, gt=0, description="How long a replica may take to start.")
@@ -307,8 +313,9 @@ class Settings(BaseSettings):
         ports = self.ports
         claims = {f"LIVERL_PORTS__{name.upper()}": getattr(ports, name)
                   for name in ("api", "gateway", "sink", "feedback", "learner")}
-        claims |= {f"replica {i} (LIVERL_PORTS__REPLICA_BASE + {i})": ports.replica_base + i
-                   for i in range(self.serving.replicas)}
+        if self.serving.listen == "tcp":
+            claims |= {f"replica {i} (LIVERL_PORTS__REPLICA_BASE + {i})": ports.replica_base + i
+                       for i in range(self.serving.replicas)}
         if isinstance(self.broker, EmbeddedBroker):
             claims["LIVERL_BROKER__PORT"] = self.broker.port
         owner: dict[int, str] = {}

@@ -29,7 +29,8 @@ from liverl.keys import KeyStore, admin_headers, write_private
 from liverl.process import alive, spawn, stop_pid, wait_until, yield_cpu
 from liverl.settings import EmbeddedBroker, Settings
 from policies.registry import Registry
-from serving.replicas import Pool, ReplicaError, launch_replica, read_pool, wait_replica, write_pool
+from serving.replicas import (Pool, ReplicaError, launch_replica, read_pool, replica_healthy, replica_url,
+                              wait_replica, write_pool)
 
 # consumer group -> (the component that consumes for it, the topics it must finish)
 DRAINED_GROUPS = {
@@ -146,7 +147,8 @@ def check_ports(settings: Settings) -> None:
     ports = settings.ports
     wanted = {"ingest API": ports.api, "gateway": ports.gateway, "sink": ports.sink,
               "feedback": ports.feedback}
-    wanted.update({f"replica-{i}": ports.replica_base + i for i in range(settings.serving.replicas)})
+    if settings.serving.listen == "tcp":
+        wanted.update({f"replica-{i}": ports.replica_base + i for i in range(settings.serving.replicas)})
     if isinstance(settings.broker, EmbeddedBroker):
         wanted["broker"] = settings.broker.port
     for name, port in wanted.items():
@@ -225,7 +227,7 @@ def up(settings: Settings, say: Callable[[str], None] = print, progress: bool = 
                         "-l", "warn", "--web-port", str(settings.ports.feedback),
                         "--web-host", settings.host, background=True)
         launcher.python("api", "ingest.api", settings.ports.api)
-        started = [launch_replica(settings, f"replica-{i}", model_dir, settings.ports.replica_base + i, version)
+        started = [launch_replica(settings, f"replica-{i}", model_dir, replica_url(settings, i), version)
                    for i in range(settings.serving.replicas)]
         write_pool(settings, Pool(replicas=[r for r, _ in started]))  # so a failure below stops them
         for replica, process in started:
@@ -308,7 +310,7 @@ def status(settings: Settings) -> dict:
         rows.append(dict(c.model_dump(), healthy=component_healthy(c.pid, c.url, c.name)))
     for r in read_pool(settings).replicas:
         rows.append(dict(name=r.name, pid=r.pid, url=r.url, log=None, policy_version=r.policy_version,
-                         healthy=component_healthy(r.pid, r.url, r.name) and r.enabled))
+                         healthy=bool(r.pid) and alive(r.pid) and replica_healthy(r.url) and r.enabled))
     return {"running": True, "cluster_id": manifest.cluster_id,
             "keys_file": str(settings.data_dir / "dev-keys.json"), "components": rows}
 

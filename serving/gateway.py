@@ -28,7 +28,7 @@ from liverl.keys import KeyRecord, KeyStore, require_key
 from liverl.observability import log, mount_metrics, setup_logging
 from liverl.ratelimit import TenantRateLimiter
 from liverl.settings import Settings, get_settings
-from serving.replicas import SERVED_MODEL_NAME, Pool, Replica, pool_file, read_pool
+from serving.replicas import SERVED_MODEL_NAME, Pool, Replica, pool_file, read_pool, replica_async_client
 
 REQUESTS = Counter("liverl_gateway_requests_total", "Requests", ["endpoint", "status", "version"])
 LATENCY = Histogram("liverl_gateway_latency_seconds", "End-to-end latency", ["endpoint"])
@@ -198,10 +198,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI):
         app.state.producer = make_producer(settings)
         await app.state.producer.start()
-        app.state.http = httpx.AsyncClient(timeout=settings.serving.request_timeout_s)
         yield
         await asyncio.gather(*recording)
-        await app.state.http.aclose()
+        await asyncio.gather(*(client.aclose() for client in clients.values()))
         await app.state.producer.stop()
 
     app = FastAPI(title="liverl gateway", lifespan=lifespan)
@@ -210,6 +209,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     limiter = TenantRateLimiter(settings.serving.tenant_requests_per_s, settings.serving.tenant_requests_burst)
     router = Router(settings)
     recording: set[asyncio.Task] = set()
+    clients: dict[str, httpx.AsyncClient] = {}  # one per replica address (a socket is a transport)
+
+    def client_for(replica: Replica) -> httpx.AsyncClient:
+        if replica.url not in clients:
+            clients[replica.url] = replica_async_client(replica.url, settings.serving.request_timeout_s)
+        return clients[replica.url]
     mount_metrics(app)
 
     def in_background(coroutine) -> None:
@@ -318,9 +323,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         except NoReplica as error:
             return await refused(503, str(error), kind="service_unavailable")
         completion_id = new_id("cmpl")
-        url = f"{replica.url}/v1/{'chat/completions' if chat else 'completions'}"
+        http = client_for(replica)
+        path = f"/v1/{'chat/completions' if chat else 'completions'}"
         headers = {"x-liverl-policy-version": replica.policy_version, "x-liverl-completion-id": completion_id}
-        forwarded = app.state.http.build_request("POST", url, json=upstream_body(body, chat))
+        forwarded = http.build_request("POST", path, json=upstream_body(body, chat))
         router.inflight[replica.name] += 1
         released = False
 
@@ -331,7 +337,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 router.inflight[replica.name] -= 1
 
         try:
-            upstream = await app.state.http.send(forwarded, stream=True)
+            upstream = await http.send(forwarded, stream=True)
         except httpx.HTTPError as error:
             release()
             latency = (time.perf_counter() - started) * 1000

