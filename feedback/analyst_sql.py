@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import sqlglot
 from sqlglot import exp
-from sqlglot.errors import ParseError
+from sqlglot.errors import SqlglotError
 
 DATABASE = "liverl"
 TENANT_TABLES = {"feedback_events", "trajectories", "samples", "requests", "dead_letters", "version_hourly"}
@@ -70,8 +70,12 @@ def function_name(node: exp.Func) -> str:
 def parse(sql: str) -> exp.Expression:
     """The one statement in `sql`, if it is a query liverl can resolve."""
     try:
+        sql.encode("utf-8")
+    except UnicodeEncodeError as error:  # a lone surrogate: JSON carries it, no engine reads it
+        raise RefusedQuery(f"the query is not UTF-8 text (character {error.start})") from None
+    try:
         statements = [s for s in sqlglot.parse(sql, read="clickhouse") if s is not None]
-    except ParseError as error:
+    except SqlglotError as error:  # ParseError, and TokenError for text that does not tokenize
         raise RefusedQuery(f"cannot parse the query: {str(error).splitlines()[0]}") from None
     if len(statements) != 1:
         raise RefusedQuery(f"one statement per request, not {len(statements)}")

@@ -41,10 +41,12 @@ def test_a_bad_variable_stops_up_with_one_line_naming_it(variable, value, says, 
 def test_bounds_and_cross_field_rules():
     with pytest.raises(ValidationError, match="min_samples"):
         LearnerConfig(batch_samples=8, min_samples=9)
+    tcp = ServingConfig(listen="tcp")  # unix-socket replicas take no port
+    Settings(ports=PortsConfig(replica_base=18080))
     with pytest.raises(ValidationError, match="both port"):
-        Settings(ports=PortsConfig(replica_base=18080))
+        Settings(ports=PortsConfig(replica_base=18080), serving=tcp)
     with pytest.raises(ValidationError, match="both port"):  # replicas 0..2 reach the API's port
-        Settings(ports=PortsConfig(api=18102, replica_base=18100), serving=ServingConfig(replicas=3))
+        Settings(ports=PortsConfig(api=18102, replica_base=18100), serving=tcp.model_copy(update={"replicas": 3}))
     with pytest.raises(ValidationError):  # assignment is validated too (the CLI assigns flags)
         ServingConfig().replicas = 0
 
