@@ -1,25 +1,32 @@
 """Lossless policy deltas: liverl's codec against the field's schemes, on the same tensors.
 
-    .venv/bin/python benchmarks/bench_delta.py synthetic [--layers 10] [--lr 1e-6 --lr 1e-5]
+    .venv/bin/python benchmarks/bench_delta.py synthetic [--layers 10] [--lr 1e-6 --lr 1e-5] [--steps 20]
     .venv/bin/python benchmarks/bench_delta.py dirs OLD_DIR NEW_DIR
 
 `synthetic` builds a Qwen3-MoE-shaped model (10 layers of 16 experts: 1.25B parameters)
-with fp32 master weights, takes one Adam step at each learning rate from the same
-weights and gradients, and compares the published bf16 roundings. `dirs` compares two
-Hugging Face checkpoint directories, e.g. consecutive versions written by the learner.
+with fp32 master weights and compares the published bf16 roundings of two versions at
+each learning rate: with `--steps 1`, before and after one Adam step (it moves every
+weight by about +-lr: the best case for integer differences, the worst for XOR); with
+`--steps 20`, the warmed-up case: per tensor, Adam with default betas for 20 steps on
+gradients that are a fixed normal component plus fresh normal noise, versions after
+steps 19 and 20. `dirs` compares two Hugging Face checkpoint directories, e.g.
+consecutive versions written by the learner.
 
-For each pair it prints the order-0 entropy of the change (the integer difference of the
-bit patterns) and, per scheme, the delta's size, its ratio to the checkpoint, that ratio
-as a share of the entropy bound, and encode and decode throughput in MB of weights per
-second, all on one core (torch, zstd and zipnn are held to one thread; liverl is also
-run on every core): per second of wall-clock time, and per CPU-second of the process
-(all its threads), which is the per-core figure that holds on a machine shared with
-other work. Every decoded tensor is compared bit for bit with the target.
+For each pair it prints two bounds on the change (the integer difference of the bit
+patterns, one histogram per dtype): the order-0 entropy, and the context bound, its
+entropy given the base value's exponent (`context_entropy`: the yardstick of issue 15,
+fixed, whatever context the codec uses). Per scheme: the delta's size, its ratio to the
+checkpoint, that ratio as a share of each bound, and encode and decode throughput in MB
+of weights per second, all on one core (torch, zstd and zipnn are held to one thread;
+liverl is also run on every core): per second of wall-clock time, and per CPU-second of
+the process (all its threads), which is the per-core figure that holds on a machine
+shared with other work. Every decoded tensor is compared bit for bit with the target.
 
 Schemes: the full checkpoint; XOR + zstd-1 as slime's disk-delta sync does it (XOR of
 each tensor's bytes with the previous version, unchanged tensors skipped, zstd level 1,
 a blake3 checksum of each new tensor checked after decoding); zipnn's delta (XOR, then
-byte grouping and Huffman), if the `zipnn` package is installed; liverl's codec.
+byte grouping and Huffman), if the `zipnn` package is installed; liverl's codec in
+format 1 (chunks coded on their own) and format 2 (each change given the base).
 """
 
 from __future__ import annotations
@@ -46,14 +53,23 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from sync import Checkpoint, encode_delta, iter_apply
-from sync.checkpoint import bits
-from sync.codec import keep_freed_memory
+from sync.checkpoint import bits, dtype_name
+from sync.codec import FLOAT_LAYOUT, keep_freed_memory
+from sync.delta import FORMATS
 
 app = typer.Typer(help=__doc__.split("\n\n")[0], no_args_is_help=True)
 console = Console(width=180)  # wide enough for the table in a log file
 Tensors = Mapping[str, torch.Tensor]
 Threads = typer.Option(None, help="Threads of liverl's all-cores run (default: one per core).")
 Repeats = typer.Option(2, help="Passes per scheme; the best time counts.")
+
+
+@dataclass
+class Change:
+    values: int
+    changed: int
+    order0_bits: float  # order-0 entropy of the whole change
+    context_bits: float  # its entropy given the base value's exponent
 
 
 @dataclass
@@ -74,10 +90,11 @@ def comparable(old: Tensors, name: str, new: torch.Tensor) -> torch.Tensor | Non
     return base if base is not None and base.dtype == new.dtype and base.shape == new.shape else None
 
 
-def change_stats(old: Tensors, new: Tensors, progress: Progress) -> tuple[int, int, float]:
-    """(values, changed values, order-0 entropy in bits of the whole change), the entropy
-    summed over dtypes, each with its own histogram of bit-pattern differences."""
-    histograms: dict[str, Counter] = {}
+def change_stats(old: Tensors, new: Tensors, progress: Progress) -> Change:
+    """The change's size and its two bounds, each summed over dtypes with histograms of
+    bit-pattern differences per dtype (and per base exponent for the context bound)."""
+    order0: dict[str, Counter] = {}
+    context: dict[str, Counter] = {}
     values = changed = 0
     task = progress.add_task("entropy of the change", total=len(new))
     for name, tensor in new.items():
@@ -85,19 +102,57 @@ def change_stats(old: Tensors, new: Tensors, progress: Progress) -> tuple[int, i
         difference = bits(tensor) - (bits(base) if base is not None else 0)
         values, changed = values + difference.size, changed + int(np.count_nonzero(difference))
         unsigned = difference.view(difference.dtype.str.replace("i", "u"))
-        if unsigned.itemsize <= 2:  # dense histogram, far faster than np.unique
-            counts = np.bincount(unsigned, minlength=1 << (8 * unsigned.itemsize))
-            keys = np.flatnonzero(counts)
-            histograms.setdefault(str(tensor.dtype), Counter()).update(dict(zip(keys.tolist(), counts[keys].tolist())))
-        else:
-            keys, counts = np.unique(unsigned, return_counts=True)
-            histograms.setdefault(str(tensor.dtype), Counter()).update(dict(zip(keys.tolist(), counts.tolist())))
+        dtype = str(tensor.dtype)
+        order0.setdefault(dtype, Counter()).update(_histogram(unsigned))
+        exponents = context_of(dtype_name(tensor.dtype), bits(base) if base is not None else None, unsigned.size)
+        context.setdefault(dtype, Counter()).update(_histogram(unsigned, exponents))
         progress.advance(task)
-    entropy_bits = 0.0
-    for histogram in histograms.values():
-        counts = np.array(list(histogram.values()), np.float64)
-        entropy_bits -= float((counts * np.log2(counts / counts.sum())).sum())
-    return values, changed, entropy_bits
+    return Change(values, changed, sum(map(_entropy, order0.values())), sum(map(_entropy, context.values())))
+
+
+def context_of(dtype: str, base: np.ndarray | None, size: int) -> np.ndarray:
+    """The context bound's context, defined once for issue 15 and not to be moved: the
+    base value's exponent (the bits of its magnitude above the mantissa); one context
+    for types without an exponent and for tensors new to the base."""
+    if base is None or dtype not in FLOAT_LAYOUT:
+        return np.zeros(size, np.int64)
+    return (base & np.iinfo(base.dtype).max).astype(np.int64) >> FLOAT_LAYOUT[dtype][1]
+
+
+def _histogram(unsigned: np.ndarray, contexts: np.ndarray | None = None) -> dict:
+    """Counts of each difference (of each (context, difference) pair)."""
+    if contexts is None and unsigned.itemsize <= 2:  # dense histogram, far faster than np.unique
+        counts = np.bincount(unsigned, minlength=1 << (8 * unsigned.itemsize))
+        keys = np.flatnonzero(counts)
+        return dict(zip(keys.tolist(), counts[keys].tolist()))
+    if contexts is None:
+        keys, counts = np.unique(unsigned, return_counts=True)
+        return dict(zip(keys.tolist(), counts.tolist()))
+    # Unchanged values counted per context; only the changed ones go through a sort.
+    unchanged = np.bincount(contexts[unsigned == 0])
+    histogram = {(int(c), 0): int(n) for c, n in enumerate(unchanged) if n}
+    moved = np.flatnonzero(unsigned)
+    if unsigned.itemsize <= 4:  # one integer key per pair: a flat sort, far faster than rows
+        keys, counts = np.unique((contexts[moved] << 32) | unsigned[moved], return_counts=True)
+        pairs = zip((keys >> 32).tolist(), (keys & 0xFFFFFFFF).tolist())
+    else:
+        rows = np.stack([contexts[moved], unsigned[moved].view(np.int64)], axis=1)
+        keys, counts = np.unique(rows, axis=0, return_counts=True)
+        pairs = map(tuple, keys.tolist())
+    histogram.update(zip(pairs, counts.tolist()))
+    return histogram
+
+
+def _entropy(histogram: Counter) -> float:
+    """Bits to code every counted symbol, order 0, given its context if keys are pairs."""
+    groups: dict = {}
+    for key, count in histogram.items():
+        groups.setdefault(key[0] if isinstance(key, tuple) else None, []).append(count)
+    total = 0.0
+    for counts in groups.values():
+        array = np.array(counts, np.float64)
+        total -= float((array * np.log2(array / array.sum())).sum())
+    return total
 
 
 # --- the schemes -----------------------------------------------------------------------------------
@@ -177,11 +232,11 @@ def zipnn_delta(old: Tensors, new: Tensors, tick: Callable[[], None]) -> Scheme 
     return "zipnn delta (XOR, byte grouping, Huffman)", encode, decode
 
 
-def liverl(old: Tensors, new: Tensors, tick: Callable[[], None], threads: int, path: Path) -> Scheme:
+def liverl(old: Tensors, new: Tensors, tick: Callable[[], None], threads: int, path: Path, format: int) -> Scheme:
     def encode() -> int:
         with open(path, "wb") as f:  # a stream: into the page cache, no fsync, like the others' memory
             encode_delta(old, new, f, base_version="a", target_version="b", threads=threads,
-                         progress=lambda _: tick())
+                         progress=lambda _: tick(), format=format)
         return path.stat().st_size
 
     def decode() -> Iterator[tuple[str, np.ndarray]]:
@@ -189,7 +244,7 @@ def liverl(old: Tensors, new: Tensors, tick: Callable[[], None], threads: int, p
             tick()
             yield entry.name, bits(tensor)
 
-    return f"liverl codec, {threads} thread{'s' if threads > 1 else ''}", encode, decode
+    return f"liverl format {format}, {threads} thread{'s' if threads > 1 else ''}", encode, decode
 
 
 def measure(scheme: Scheme, new: Tensors, repeats: int, threads: int = 1) -> Row:
@@ -223,46 +278,56 @@ def compare(title: str, old: Tensors, new: Tensors, all_threads: int, repeats: i
     torch.set_num_threads(1)
     keep_freed_memory()  # liverl's malloc setting, for every scheme alike
     nbytes = sum(t.nbytes for t in new.values())
+    # liverl: the previous format on one core, the latest on one and on every core.
+    runs = [(FORMATS[0], 1)] + [(FORMATS[-1], t) for t in sorted({1, all_threads})]
     with _progress() as progress, tempfile.TemporaryDirectory() as tmp:
-        values, changed, entropy_bits = change_stats(old, new, progress)
-        bound = nbytes * 8 / max(entropy_bits, 1e-9)
+        change = change_stats(old, new, progress)
+        order0, context = (nbytes * 8 / max(b, 1e-9) for b in (change.order0_bits, change.context_bits))
         rows = [Row("full checkpoint", nbytes)]
         for make in [xor_zstd, zipnn_delta] + [
-                partial(liverl, threads=t, path=Path(tmp) / "delta") for t in sorted({1, all_threads})]:
+                partial(liverl, threads=t, format=f, path=Path(tmp) / "delta") for f, t in runs]:
             task = progress.add_task("", total=(2 * repeats + 1) * len(new))
             scheme = make(old, new, lambda: progress.advance(task))
             if scheme:
                 progress.update(task, description=scheme[0])
                 threads = make.keywords["threads"] if isinstance(make, partial) else 1
                 rows.append(measure(scheme, new, repeats, threads))
-    console.print(f"\n[bold]{title}[/bold]: {values:,} values in {len(new)} tensors, {nbytes / 1e6:,.0f} MB; "
-                  f"{changed / values:.2%} changed; order-0 entropy of the change "
-                  f"{entropy_bits / values:.3f} bits/value, bound {bound:.1f}x")
+    console.print(f"\n[bold]{title}[/bold]: {change.values:,} values in {len(new)} tensors, {nbytes / 1e6:,.0f} MB; "
+                  f"{change.changed / change.values:.2%} changed; entropy of the change "
+                  f"{change.order0_bits / change.values:.3f} bits/value order 0 (bound {order0:.1f}x), "
+                  f"{change.context_bits / change.values:.3f} given the base's exponent (context bound {context:.1f}x)")
     table = Table()
-    for column in ["scheme", "delta MB", "ratio", "% of bound", "encode MB/s", "decode MB/s",
-                   "encode MB/CPU-s", "decode MB/CPU-s", "bit-exact"]:
+    for column in ["scheme", "delta MB", "ratio", "% of order-0 bound", "% of context bound", "encode MB/s",
+                   "decode MB/s", "encode MB/CPU-s", "decode MB/CPU-s", "bit-exact"]:
         table.add_column(column, justify="left" if column == "scheme" else "right")
     for row in rows:
         ratio = nbytes / row.delta_bytes
         speed = lambda s: "" if s is None else f"{nbytes / 1e6 / s:,.0f}"  # noqa: E731
-        table.add_row(row.scheme, f"{row.delta_bytes / 1e6:,.1f}", f"{ratio:.2f}x", f"{ratio / bound:.1%}",
-                      speed(row.encode_s), speed(row.decode_s),
+        table.add_row(row.scheme, f"{row.delta_bytes / 1e6:,.1f}", f"{ratio:.2f}x", f"{ratio / order0:.1%}",
+                      f"{ratio / context:.1%}", speed(row.encode_s), speed(row.decode_s),
                       speed(row.encode_cpu_s), speed(row.decode_cpu_s),
                       "" if row.exact is None else "yes" if row.exact else "[red]NO[/red]")
     console.print(table)
-    if not targets:
-        return
-    ours = next(row for row in rows if row.scheme.startswith("liverl") and row.threads == 1)
+    if targets:
+        print_targets(rows, nbytes, context)
+
+
+def print_targets(rows: list[Row], nbytes: int, context: float) -> None:
+    """Issue 15's targets for the latest format on one core: 85% of the context bound,
+    decode 500 and encode 250 MB of weights per second, bit-exact."""
+    ours = next(row for row in rows if row.scheme.startswith(f"liverl format {FORMATS[-1]}") and row.threads == 1)
     xor = next(row for row in rows if row.scheme.startswith("XOR"))
+    previous = next(row for row in rows if row.scheme.startswith(f"liverl format {FORMATS[0]}"))
     met = lambda ok: "met" if ok else "MISSED"  # noqa: E731
-    console.print(f"liverl, one core: {nbytes / ours.delta_bytes / bound:.1%} of the entropy bound "
-                  f"(target 85%: {met(nbytes / ours.delta_bytes >= 0.85 * bound)}), "
-                  f"{xor.delta_bytes / ours.delta_bytes:.2f}x the ratio of XOR + zstd; "
-                  f"encode {nbytes / 1e6 / ours.encode_s:,.0f} MB/s wall, {nbytes / 1e6 / ours.encode_cpu_s:,.0f} "
-                  f"MB/CPU-s; decode {nbytes / 1e6 / ours.decode_s:,.0f} MB/s wall, "
-                  f"{nbytes / 1e6 / ours.decode_cpu_s:,.0f} MB/CPU-s (target 500 per core, wall: "
-                  f"{met(min(nbytes / 1e6 / ours.encode_s, nbytes / 1e6 / ours.decode_s) >= 500)}, CPU time: "
-                  f"{met(min(nbytes / 1e6 / ours.encode_cpu_s, nbytes / 1e6 / ours.decode_cpu_s) >= 500)}); "
+    mb = nbytes / 1e6
+    console.print(f"liverl format {FORMATS[-1]}, one core: {nbytes / ours.delta_bytes / context:.1%} of the context "
+                  f"bound (target 85%: {met(nbytes / ours.delta_bytes >= 0.85 * context)}), "
+                  f"{xor.delta_bytes / ours.delta_bytes:.2f}x the ratio of XOR + zstd, "
+                  f"{previous.delta_bytes / ours.delta_bytes:.2f}x that of format {FORMATS[0]}; "
+                  f"encode {mb / ours.encode_s:,.0f} MB/s wall, {mb / ours.encode_cpu_s:,.0f} MB/CPU-s (target 250: "
+                  f"{met(mb / max(ours.encode_s, ours.encode_cpu_s) >= 250)}); decode {mb / ours.decode_s:,.0f} MB/s "
+                  f"wall, {mb / ours.decode_cpu_s:,.0f} MB/CPU-s (target 500: "
+                  f"{met(mb / max(ours.decode_s, ours.decode_cpu_s) >= 500)}); "
                   f"bit-exact: {met(all(row.exact is not False for row in rows))}")
 
 
@@ -290,47 +355,55 @@ def qwen3_moe_shapes(layers: int, hidden: int = 2048, experts: int = 16, expert_
     yield "lm_head.weight", (vocab, hidden), 0.02
 
 
-def adam_steps(layers: int, lrs: list[float], seed: int) -> tuple[Tensors, dict[float, Tensors]]:
-    """The bf16 rounding of fp32 master weights before and after one Adam step per lr
-    (same weights, same gradient); one tensor at a time, so only bf16 copies stay."""
+def adam_versions(layers: int, lr: float, steps: int, seed: int) -> tuple[Tensors, Tensors]:
+    """The bf16 roundings of fp32 master weights after Adam steps `steps - 1` and `steps`
+    (step 0: the initial weights). One step: on a normal gradient; more: on gradients
+    that are a fixed normal component plus fresh normal noise. One tensor at a time, so
+    only the bf16 copies stay."""
     shapes = list(qwen3_moe_shapes(layers))
-    base, stepped = {}, {lr: {} for lr in lrs}
+    old, new = {}, {}
     # Map every block above 1 MB fresh from the kernel while generating: the fp32
     # temporaries of each step then go back on free instead of fragmenting the heap
     # between the bf16 copies that stay (5 GB more at 1.25B parameters).
     _mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
     with _progress() as progress:
-        task = progress.add_task("synthetic model: Adam steps", total=sum(math.prod(s) for _, s, _ in shapes))
+        task = progress.add_task(f"synthetic model: {steps} Adam step(s) at lr {lr:g}",
+                                 total=sum(math.prod(s) for _, s, _ in shapes))
         for i, (name, shape, std) in enumerate(shapes):
             generator = torch.Generator().manual_seed(seed * 100_003 + i)
             master = torch.randn(shape, generator=generator) * std if std else torch.ones(shape)
-            gradient = torch.randn(shape, generator=generator)
-            base[name] = master.bfloat16()
-            for lr in lrs:
-                weight = torch.nn.Parameter(master.clone())
-                weight.grad = gradient
-                torch.optim.Adam([weight], lr=lr).step()
-                stepped[lr][name] = weight.detach().bfloat16()
+            fixed = torch.randn(shape, generator=generator)
+            weight = torch.nn.Parameter(master)
+            optimizer = torch.optim.Adam([weight], lr=lr)
+            for step in range(1, steps + 1):
+                if step == steps:
+                    old[name] = weight.detach().bfloat16()
+                weight.grad = fixed if steps == 1 else fixed + torch.randn(shape, generator=generator)
+                optimizer.step()
+            new[name] = weight.detach().bfloat16()
             progress.advance(task, math.prod(shape))
     keep_freed_memory.__wrapped__()  # back to the codec's setting for the measurements
-    return base, stepped
+    return old, new
 
 
 @app.command()
 def synthetic(layers: int = typer.Option(10, help="MoE layers (10: 1.25B parameters)."),
               lr: list[float] = typer.Option([1e-6, 1e-5], help="Adam learning rates (repeatable)."),
+              steps: int = typer.Option(1, min=1, help="Compare the versions after these Adam steps and the one "
+                                                       "before (1: the first step; 20: the warmed-up case)."),
               seed: int = 0, threads: Optional[int] = Threads, repeats: int = Repeats) -> None:
     """A synthetic MoE stepped by Adam, published in bf16."""
     for rate in lr:
-        # One learning rate at a time (the same seed gives the same weights and gradient),
-        # so only two bf16 copies of the model are held: 5 GB at 1.25B parameters.
+        # One learning rate at a time, so only two bf16 copies of the model are held:
+        # 5 GB at 1.25B parameters.
         torch.set_num_threads(os.cpu_count() or 1)  # generation only; measurements use one
-        base, stepped = adam_steps(layers, [rate], seed)
+        old, new = adam_versions(layers, rate, steps, seed)
         _release_freed_memory()
-        params = sum(t.numel() for t in base.values())
-        compare(f"synthetic Qwen3-MoE, {params / 1e9:.2f}B parameters, one Adam step at lr {rate:g}",
-                base, stepped[rate], threads or os.cpu_count() or 1, repeats, targets=True)
-        del base, stepped
+        params = sum(t.numel() for t in new.values())
+        case = "one Adam step" if steps == 1 else f"Adam steps {steps - 1} -> {steps}"
+        compare(f"synthetic Qwen3-MoE, {params / 1e9:.2f}B parameters, {case} at lr {rate:g}",
+                old, new, threads or os.cpu_count() or 1, repeats, targets=True)
+        del old, new
         _release_freed_memory()
 
 

@@ -125,6 +125,9 @@ class SyncConfig(Config):
     snapshot_every: int = Field(10, ge=1, description="Also store a full snapshot of every Nth version.")
     keep_versions: int = Field(8, ge=1, description="Newest versions the delta store and the registry keep besides those still needed.")
     fetch_retries: int = Field(3, ge=0, description="Extra fetches of a chunk that arrives corrupted or short.")
+    delta_format: Literal[1, 2] = Field(
+        2, description="Delta format the learner writes (sync.delta): 2 codes each change given the base's exponents; 1 while a replica runs an older liverl."
+    )
 
 
 # --- Components ----------------------------------------------------------------------------

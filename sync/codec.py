@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import threading
+from collections.abc import Iterator
 
 import numpy as np
 import zstandard
@@ -148,3 +149,270 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     if not hasattr(_local, "decompressor"):
         _local.decompressor = zstandard.ZstdDecompressor()
     return _local.decompressor
+
+
+# --- format 2: the change given what the replica already holds -----------------------------
+# The replica applying a delta holds the base, and the base predicts the change: an
+# optimizer step moves a weight by an amount in value, so how likely its bits change (and
+# by how many units in the last place) depends on the base value's exponent. Small
+# weights change far more often than large ones (docs/benchmarks.md, "Delta codec").
+#
+# So each tensor's values are split into at most `MAX_CLASSES` classes by the base
+# value's magnitude (ranges of exponents, chosen per tensor), and each class is coded
+# with its own statistics over the whole tensor: the positions of its changes as gaps
+# between their ranks among the class's members, and its differences. Classes of
+# neighbouring exponents change at similar rates, so 4 keep ~94% of the information that
+# one class per exponent would (measured on warmed-up Adam steps); and every class
+# costs the decoder a pass over the values, so fewer are faster. The largest magnitudes
+# form the last class, most of the values, which the decoder lists only when many of
+# them changed: otherwise it finds each change from its rank by counting the smaller
+# values before it.
+
+MAX_CLASSES = 4
+PLAN_SAMPLE = 1 << 16
+# Values per step of the coder: its temporaries stay in cache and in the memory glibc
+# keeps (larger steps fault pages in again on every tensor: ~25% slower at 1M).
+CONTEXT_CHUNK_VALUES = 1 << 18
+# The last class holds at least this share of the values, so that the classes the
+# decoder lists are small.
+LARGE_MIN = 0.8
+# Above this share of changed members a class codes every member's difference.
+CONTEXT_DENSE_MIN = 0.4
+# (exponent bits, mantissa bits) of each float format: the exponent is the magnitude's
+# bits above the mantissa.
+FLOAT_LAYOUT = {"bfloat16": (8, 7), "float16": (5, 10), "float32": (8, 23), "float64": (11, 52),
+                "float8_e4m3fn": (4, 3), "float8_e5m2": (5, 2)}
+_NIBBLE_ESCAPE = 15  # a difference code of 15 or more: the rest goes to the escape stream
+_STREAMS_PER_CLASS = 3  # rank gaps, difference codes two per byte, escapes
+
+
+def context_classes(dtype: str, old: np.ndarray, new: np.ndarray) -> tuple[list[int], list[bool]]:
+    """(class bounds, dense flags) for a tensor's base and target, from `PLAN_SAMPLE`
+    values spread over it (enough for the statistics, and a small cost per tensor).
+
+    A bound is the exponent where a class starts (the first starts at 0); the classes
+    are merged from one per exponent, cheapest loss of mask entropy first, until at most
+    `MAX_CLASSES` remain. Types without an exponent get one class."""
+    step = max(1, len(old) // PLAN_SAMPLE)
+    old, new = old[::step], new[::step]
+    if dtype not in FLOAT_LAYOUT or not len(old):
+        return [], [bool(np.count_nonzero(old != new) > CONTEXT_DENSE_MIN * max(len(old), 1))]
+    exponents = _magnitude(old) >> FLOAT_LAYOUT[dtype][1]
+    members = np.bincount(exponents)
+    changes = np.bincount(exponents[old != new], minlength=len(members))
+    # The last class starts at the largest exponent that leaves it `LARGE_MIN` of the values.
+    top = int(np.flatnonzero(np.cumsum(members[::-1]) >= LARGE_MIN * len(old))[0])
+    top = len(members) - 1 - top
+    groups = [[int(e), int(members[e]), int(changes[e])] for e in np.flatnonzero(members[:top])]
+    while len(groups) > MAX_CLASSES - 1:
+        losses = [_mask_bits(a[1] + b[1], a[2] + b[2]) - _mask_bits(a[1], a[2]) - _mask_bits(b[1], b[2])
+                  for a, b in zip(groups, groups[1:])]
+        i = int(np.argmin(losses))
+        groups[i:i + 2] = [[groups[i][0], groups[i][1] + groups[i + 1][1], groups[i][2] + groups[i + 1][2]]]
+    groups.append([top, int(members[top:].sum()), int(changes[top:].sum())])
+    return [g[0] for g in groups[1:]], [bool(g[2] > CONTEXT_DENSE_MIN * g[1]) for g in groups]
+
+
+def _mask_bits(members: int, changes: int) -> float:
+    """Entropy in bits of which `changes` of `members` changed (order 0)."""
+    p = changes / members if members else 0.0
+    return 0.0 if p in (0.0, 1.0) else -members * (p * np.log2(p) + (1 - p) * np.log2(1 - p))
+
+
+class ContextEncoder:
+    """One tensor's change, fed chunk by chunk; `finish` gives the per-class streams."""
+
+    def __init__(self, dtype: str, bounds: list[int], dense: list[bool]):
+        self.thresholds = _thresholds(dtype, bounds)
+        self.dense = dense
+        self.seen = np.zeros(len(dense), np.int64)  # members of each class in earlier chunks
+        self.ranks: list[list[np.ndarray]] = [[] for _ in dense]
+        self.codes: list[list[np.ndarray]] = [[] for _ in dense]
+
+    def add(self, old: np.ndarray, new: np.ndarray) -> int:
+        """Code one chunk; returns its number of changed values."""
+        changed = np.flatnonzero(old != new)
+        magnitude = _magnitude(old)
+        thresholds = self.thresholds.astype(old.dtype)  # a wider scalar would widen every comparison
+        kind = _kind(_magnitude(np.take(old, changed)), thresholds)
+        for c, dense in enumerate(self.dense):
+            members = _class_mask(magnitude, thresholds, c)
+            if dense:
+                where = np.arange(len(old)) if members is None else np.flatnonzero(members)
+                self.codes[c].append(_zigzag(np.take(new, where) - np.take(old, where)))
+            else:
+                where = changed if members is None else np.compress(kind == c, changed)
+                self.ranks[c].append(self.seen[c] + (where if members is None else _ranks(members, where)))
+                self.codes[c].append(_zigzag(np.take(new, where) - np.take(old, where)) - 1)
+            self.seen[c] += len(old) if members is None else np.count_nonzero(members)
+        return len(changed)
+
+    def finish(self) -> list[bytes]:
+        streams = []
+        for c, dense in enumerate(self.dense):
+            ranks = np.concatenate(self.ranks[c]) if self.ranks[c] else np.zeros(0, np.int64)
+            codes = np.concatenate(self.codes[c]) if self.codes[c] else np.zeros(0, np.uint8)
+            streams += [b"" if dense else _pack(_gap_bytes(ranks)), *_code_streams(codes)]
+        return streams
+
+
+def decode_context(dtype: str, bounds: list[int], dense: list[bool], streams: list[bytes],
+                   old: np.ndarray, out: np.ndarray, chunk_values: int) -> Iterator[slice]:
+    """Write `old` + the coded change into `out`, chunk by chunk, yielding each chunk's
+    slice once written (so the caller hashes it while it is in cache)."""
+    if len(streams) != _STREAMS_PER_CLASS * len(dense) or len(bounds) + 1 != len(dense):
+        raise ValueError("context streams do not match the classes")
+    thresholds = _thresholds(dtype, bounds)
+    ranks, codes = [], []
+    for c, is_dense in enumerate(dense):
+        gaps, pairs, escapes = streams[_STREAMS_PER_CLASS * c:_STREAMS_PER_CLASS * (c + 1)]
+        ranks.append(None if is_dense else _positions(np.frombuffer(_unpack(gaps), np.uint8)))
+        count = None if is_dense else len(ranks[-1])
+        codes.append(_unzigzag(_codes(pairs, escapes, out.dtype, count) + (0 if is_dense else 1)))
+    seen = np.zeros(len(dense), np.int64)  # members of each class in earlier chunks
+    used = np.zeros(len(dense), np.int64)  # codes of each class consumed
+    for start in range(0, len(out), chunk_values):
+        part = slice(start, start + chunk_values)
+        base, target = old[part], out[part]
+        target[:] = base
+        members = _Members(base, thresholds)
+        for c in range(len(dense)):
+            count = members.count(c)
+            if dense[c]:
+                where = members.of(c)
+            else:
+                end = used[c] + int(np.searchsorted(ranks[c][used[c]:], seen[c] + count))
+                where = members.select(c, ranks[c][used[c]:end] - seen[c])
+            values = codes[c][used[c]:used[c] + len(where)]
+            if len(values) != len(where):
+                raise ValueError("context streams end before the tensor")
+            np.add.at(target, where, values)  # target holds the base; add.at beats an indexed assignment
+            used[c] += len(where)
+            seen[c] += count
+        yield part
+    # A dense class's last byte of codes may hold one padding code of 0.
+    if any(len(v) - u not in ((0, 1) if d else (0,)) or (len(v) > u and v[-1]) for u, v, d in zip(used, codes, dense)):
+        raise ValueError("context streams are longer than the tensor")
+
+
+class _Members:
+    """Which values of one chunk belong to which class. Only the classes below the last
+    are listed (`small`, sorted positions): the last, the largest magnitudes and most of
+    the values, is reached by counting the small values before a position."""
+
+    def __init__(self, base: np.ndarray, thresholds: np.ndarray):
+        self.size = len(base)
+        # Compared in the values' own type: a wider scalar would widen every comparison.
+        self.thresholds = thresholds.astype(base.dtype)
+        if len(thresholds):
+            self.magnitude = _magnitude(base)
+            self.small = np.flatnonzero(self.magnitude < self.thresholds[-1])
+            self.kind = _kind(np.take(self.magnitude, self.small), self.thresholds)
+        else:
+            self.small = np.zeros(0, np.int64)
+
+    def count(self, c: int) -> int:
+        if c == len(self.thresholds):
+            return self.size - len(self.small)
+        return int(np.count_nonzero(self.kind == c))
+
+    def of(self, c: int) -> np.ndarray:
+        """Positions of class `c`'s members."""
+        if c < len(self.thresholds):
+            return np.compress(self.kind == c, self.small)  # faster than a boolean index
+        if not len(self.thresholds):
+            return np.arange(self.size)
+        return np.flatnonzero(self.magnitude >= self.thresholds[-1])
+
+    def select(self, c: int, ranks: np.ndarray) -> np.ndarray:
+        """Positions of the members of class `c` with the (sorted) `ranks`."""
+        if c < len(self.thresholds) or len(ranks) * 32 > self.size:  # many changes: listing is cheaper
+            return np.take(self.of(c), ranks)
+        # The r-th large value comes after every small one with fewer large values before it.
+        return ranks + np.searchsorted(self.small - np.arange(len(self.small)), ranks, side="right")
+
+
+def _class_mask(magnitude: np.ndarray, thresholds: np.ndarray, c: int) -> np.ndarray | None:
+    """Which values belong to class `c` (None: all, the only class)."""
+    if not len(thresholds):
+        return None
+    if c == 0:
+        return magnitude < thresholds[0]
+    if c == len(thresholds):
+        return magnitude >= thresholds[-1]
+    return (magnitude >= thresholds[c - 1]) & (magnitude < thresholds[c])
+
+
+def _ranks(mask: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """How many of `mask`'s values are set before each of `positions`: a prefix count of
+    set bits per 64 values, plus the set bits below the position in its 64 (a few
+    operations per position, where a binary search would take dozens)."""
+    packed = np.packbits(mask, bitorder="little")
+    words = np.pad(packed, (0, -len(packed) % 8)).view("<u8")
+    counts = np.bitwise_count(words)
+    before = np.cumsum(counts, dtype=np.int64) - counts
+    word = positions >> 6
+    below = np.take(words, word) & ((np.uint64(1) << (positions & 63).astype(np.uint64)) - np.uint64(1))
+    return np.take(before, word) + np.bitwise_count(below)
+
+
+def _magnitude(bits: np.ndarray) -> np.ndarray:
+    """The bit pattern without its sign: ordered like the value's magnitude."""
+    return bits & np.iinfo(bits.dtype).max
+
+
+def _kind(magnitude: np.ndarray, thresholds: np.ndarray) -> np.ndarray:
+    """The class of each magnitude (a sum of comparisons: faster than a search)."""
+    kind = np.zeros(len(magnitude), np.uint8)
+    for threshold in thresholds:
+        kind += magnitude >= threshold
+    return kind
+
+
+def _thresholds(dtype: str, bounds: list[int]) -> np.ndarray:
+    """Class bounds as magnitudes: a class starts at the smallest value of its exponent."""
+    exponent_bits, mantissa_bits = FLOAT_LAYOUT.get(dtype, (0, 0))
+    if bounds and (list(bounds) != sorted(set(bounds)) or bounds[0] <= 0 or bounds[-1] >= 1 << exponent_bits):
+        raise ValueError(f"invalid class bounds {bounds} for {dtype}")
+    return np.array([b << mantissa_bits for b in bounds], np.int64)
+
+
+def _code_streams(codes: np.ndarray) -> list[bytes]:
+    """Difference codes (mostly below 4) two per byte, so the entropy coder's at least
+    one bit per symbol costs at most half a bit per difference; codes of 15 and more
+    keep 15 there and the rest, whole, in an escape stream."""
+    nibbles = np.minimum(codes, _NIBBLE_ESCAPE).astype(np.uint8)
+    if len(nibbles) % 2:
+        nibbles = np.append(nibbles, np.uint8(0))
+    pairs = nibbles[0::2] | (nibbles[1::2] << 4)
+    escapes = codes[codes >= _NIBBLE_ESCAPE] - _NIBBLE_ESCAPE
+    return [_pack(pairs), _pack(escapes.view(np.uint8))]
+
+
+def _codes(pairs: bytes, escapes: bytes, dtype: np.dtype, count: int | None) -> np.ndarray:
+    """The difference codes back from `_code_streams` (unsigned of the element width);
+    `count` None: as many as the pairs hold (a padding code must then be 0 and is dropped
+    by the caller's length check)."""
+    packed = np.frombuffer(_unpack(pairs), np.uint8)
+    nibbles = np.empty(2 * len(packed), np.uint8)
+    nibbles[0::2], nibbles[1::2] = packed & 15, packed >> 4
+    if count is not None:
+        if not 0 <= len(nibbles) - count <= 1:
+            raise ValueError("difference codes do not match the changes")
+        nibbles = nibbles[:count]
+    unsigned = np.dtype(dtype).str.replace("i", "u")
+    codes = nibbles.astype(unsigned)
+    escaped = np.flatnonzero(nibbles == _NIBBLE_ESCAPE)
+    rest = np.frombuffer(_unpack(escapes), unsigned) if escapes else np.zeros(0, unsigned)
+    if len(rest) != len(escaped):
+        raise ValueError("escaped differences do not match their stream")
+    codes[escaped] += rest
+    return codes
+
+
+def _pack(data: np.ndarray) -> bytes:
+    return _compressor().compress(np.ascontiguousarray(data)) if len(data) else b""
+
+
+def _unpack(stream: bytes) -> bytes:
+    return _decompressor().decompress(stream) if stream else b""

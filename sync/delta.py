@@ -16,6 +16,15 @@ is truncated. After decoding, each tensor is checked against its own hash and th
 against the hash it had when the delta was made: the result is bit-identical to what
 the encoder saw, or an error.
 
+Formats (the manifest's `format`; `FORMATS` are those this liverl reads, and a delta is
+written in the lowest one that holds it, so a snapshot always reads as format 1):
+
+1. every tensor in independent chunks, each coded on its own (`sync.codec.encode_change`);
+2. a tensor changed against its base is coded as a whole, given the base: its values
+   split into classes by the base value's exponent, each class with its own statistics
+   over the tensor (`sync.codec.ContextEncoder`); one blob per tensor. Tensors new to
+   the base are coded as in format 1.
+
 Tensors are coded one by one (each in chunks of `CHUNK_VALUES` values) on a thread pool;
 numpy, zstd and blake3 release the GIL, and at most two tensors per thread are in
 flight, so memory stays bounded by a few of the largest tensors.
@@ -41,9 +50,18 @@ import zstandard
 from pydantic import BaseModel
 
 from sync.checkpoint import Checkpoint, ShardWriter, bits, dtype_name, dtype_of
-from sync.codec import decode_change, encode_change, keep_freed_memory
+from sync.codec import (
+    CONTEXT_CHUNK_VALUES,
+    ContextEncoder,
+    context_classes,
+    decode_change,
+    decode_context,
+    encode_change,
+    keep_freed_memory,
+)
 
-FORMAT = 1
+FORMATS = (1, 2)
+LATEST_FORMAT = FORMATS[-1]
 MAGIC = b"LRLDELTA"
 # Values per independently coded chunk: small enough to stay in cache (encoding at 1M
 # values is ~1.5x faster than at 32M), large enough that the manifest stays ~0.1% of a delta.
@@ -67,6 +85,11 @@ class TruncatedDeltaError(CorruptDeltaError):
     """The delta file ends before its footer."""
 
 
+class UnsupportedFormatError(DeltaError):
+    """The delta is written in a format this liverl does not read (a newer learner):
+    the replica should fetch a snapshot instead."""
+
+
 class BaseMismatchError(DeltaError):
     """The weights given as base are not the ones the delta was made against."""
 
@@ -78,9 +101,16 @@ class Blob(BaseModel):
 
 
 class Chunk(Blob):
-    coding: Literal["sparse", "dense"]
+    coding: Literal["sparse", "dense", "context"]  # context: the whole tensor (format 2)
     changed: int  # values whose bits changed
-    streams: list[int]  # lengths of the zstd frames the blob is made of
+    streams: list[int]  # lengths of the zstd frames the blob is made of (0: empty)
+
+
+class ContextClasses(BaseModel):
+    """How a format-2 tensor's values are split by the base value's exponent."""
+
+    bounds: list[int]  # exponent where each class after the first starts
+    dense: list[bool]  # per class: every member's difference coded, not the changes'
 
 
 class TensorEntry(BaseModel):
@@ -93,6 +123,7 @@ class TensorEntry(BaseModel):
     base_hash: str | None  # blake3 of the base tensor's bytes (same, delta)
     file: str | None = None  # safetensors shard in the target directory
     chunks: list[Chunk] = []
+    context: ContextClasses | None = None  # format 2: one "context" chunk for the tensor
 
     @property
     def values(self) -> int:
@@ -112,7 +143,7 @@ class FileEntry(BaseModel):
 
 
 class DeltaManifest(BaseModel):
-    format: int = FORMAT
+    format: int = 1
     base_version: str
     target_version: str
     digest: str  # state_digest of the target tensors
@@ -140,14 +171,17 @@ class DeltaManifest(BaseModel):
 # --- encoding -----------------------------------------------------------------------------
 def encode_delta(old: Tensors | Path, new: Tensors | Path, out: Path | BinaryIO, *,
                  base_version: str, target_version: str, threads: int | None = None,
-                 progress: Progress | None = None) -> DeltaManifest:
+                 progress: Progress | None = None, format: int = LATEST_FORMAT) -> DeltaManifest:
     """Write the delta that turns `old` into `new` to `out` (a path, written atomically,
     or a binary stream), and return its manifest.
 
     `old` and `new` are mappings of tensors or safetensors checkpoint directories; for
     directories the target's shard layout and its other files (config, tokenizer) travel
     too. An empty `old` makes a full snapshot. `progress` is called with the bytes of
-    each target tensor done."""
+    each target tensor done. `format` is the highest format it may write (see the
+    module doc): 1 for replicas that read no other."""
+    if format not in FORMATS:
+        raise ValueError(f"format {format} is not one of {FORMATS}")
     old, new = _tensors(old), _tensors(new)
     threads = threads or os.cpu_count() or 1
     keep_freed_memory()
@@ -155,7 +189,7 @@ def encode_delta(old: Tensors | Path, new: Tensors | Path, out: Path | BinaryIO,
     with _output(out) as sink, ThreadPoolExecutor(threads) as pool:
         sink.write(MAGIC)
         offset = len(MAGIC)
-        work = lambda name: _encode_tensor(name, old.get(name), new[name])  # noqa: E731
+        work = lambda name: _encode_tensor(name, old.get(name), new[name], format)  # noqa: E731
         for entry, blobs in _ordered(pool, work, list(new), 2 * threads):
             for chunk, blob in zip(entry.chunks, blobs):
                 chunk.offset, offset = offset, offset + sink.write(blob)
@@ -170,7 +204,7 @@ def encode_delta(old: Tensors | Path, new: Tensors | Path, out: Path | BinaryIO,
                                    blob=Blob(offset=offset, length=len(blob), hash=_hash(blob))))
             offset += sink.write(blob)
         manifest = DeltaManifest(
-            base_version=base_version, target_version=target_version,
+            format=2 if any(t.context for t in tensors) else 1, base_version=base_version, target_version=target_version,
             digest=_digest((t.name, t.dtype, t.shape, t.hash) for t in tensors),
             chunk_values=CHUNK_VALUES, tensors=tensors,
             removed=[name for name in old if name not in new],
@@ -181,9 +215,12 @@ def encode_delta(old: Tensors | Path, new: Tensors | Path, out: Path | BinaryIO,
     return manifest
 
 
-def _encode_tensor(name: str, old: torch.Tensor | None, new: torch.Tensor) -> tuple[TensorEntry, list[bytes]]:
+def _encode_tensor(name: str, old: torch.Tensor | None, new: torch.Tensor,
+                   format: int) -> tuple[TensorEntry, list[bytes]]:
     comparable = old is not None and old.dtype == new.dtype and old.shape == new.shape
     new_bits, old_bits = bits(new), bits(old) if comparable else None
+    if format >= 2 and old_bits is not None:
+        return _encode_in_context(name, old_bits, new_bits, new)
     new_hash, old_hash = blake3.blake3(), blake3.blake3()
     chunks, blobs = [], []
     for start in range(0, len(new_bits), CHUNK_VALUES):
@@ -204,6 +241,32 @@ def _encode_tensor(name: str, old: torch.Tensor | None, new: torch.Tensor) -> tu
                         encoding=encoding, changed=changed if old_bits is not None else len(new_bits),
                         hash=new_hash.hexdigest(),
                         base_hash=None if old_bits is None else old_hash.hexdigest(), chunks=chunks)
+    return entry, blobs
+
+
+def _encode_in_context(name: str, old_bits: np.ndarray, new_bits: np.ndarray,
+                       new: torch.Tensor) -> tuple[TensorEntry, list[bytes]]:
+    """Format 2: the tensor's change as one blob."""
+    dtype = dtype_name(new.dtype)
+    bounds, dense = context_classes(dtype, old_bits, new_bits)
+    coder = ContextEncoder(dtype, bounds, dense)
+    new_hash, old_hash = blake3.blake3(), blake3.blake3()
+    changed = 0
+    for start in range(0, len(new_bits), CONTEXT_CHUNK_VALUES):
+        part = slice(start, start + CONTEXT_CHUNK_VALUES)
+        new_hash.update(new_bits[part].view(np.uint8))
+        old_hash.update(old_bits[part].view(np.uint8))
+        changed += coder.add(old_bits[part], new_bits[part])
+    chunks, blobs, context = [], [], None
+    if changed:
+        streams = coder.finish()
+        blobs = [b"".join(streams)]
+        chunks = [Chunk(offset=0, length=len(blobs[0]), hash=_hash(blobs[0]), coding="context",
+                        changed=changed, streams=[len(s) for s in streams])]
+        context = ContextClasses(bounds=bounds, dense=dense)
+    entry = TensorEntry(name=name, dtype=dtype, shape=list(new.shape), encoding="delta" if changed else "same",
+                        changed=changed, hash=new_hash.hexdigest(), base_hash=old_hash.hexdigest(),
+                        chunks=chunks, context=context)
     return entry, blobs
 
 
@@ -241,8 +304,9 @@ def read_manifest(delta: Path) -> DeltaManifest:
     if blake3.blake3(raw).digest() != digest:
         raise CorruptDeltaError(f"{delta}: the manifest does not match its hash")
     fields = json.loads(zstandard.ZstdDecompressor().decompress(raw))
-    if fields.get("format") != FORMAT:
-        raise DeltaError(f"{delta} has format {fields.get('format')}; this liverl reads format {FORMAT}")
+    if fields.get("format") not in FORMATS:
+        raise UnsupportedFormatError(f"{delta} has format {fields.get('format')}; this liverl reads formats "
+                                     f"{', '.join(map(str, FORMATS))}")
     manifest = DeltaManifest.model_validate(fields)
     blobs = sorted([c for t in manifest.tensors for c in t.chunks] + [f.blob for f in manifest.files],
                    key=lambda b: b.offset)
@@ -334,25 +398,48 @@ def _decode_tensor(entry: TensorEntry, old: Tensors, fd: int, chunk_values: int)
     out = torch.empty(entry.shape, dtype=dtype)
     out_bits, base_bits = bits(out), None if base is None else bits(base)
     out_hash = blake3.blake3()
-    for i, chunk in enumerate(entry.chunks):
-        part = slice(i * chunk_values, (i + 1) * chunk_values)
-        streams, start = [], 0
-        data = _read(fd, chunk)
-        for length in chunk.streams:
-            streams.append(data[start:start + length])
-            start += length
-        try:
-            decode_change(None if base_bits is None else base_bits[part], chunk.coding, streams, out_bits[part])
-        except (ValueError, zstandard.ZstdError) as error:  # hash-valid but malformed
-            raise CorruptDeltaError(f"{entry.name}: chunk {i} cannot be decoded: {error}") from error
-        out_hash.update(out_bits[part].view(np.uint8))
-    if out_hash.hexdigest() != entry.hash or len(entry.chunks) * chunk_values < len(out_bits):
+    try:
+        for part in _decoded_parts(entry, base_bits, out_bits, fd, chunk_values):
+            out_hash.update(out_bits[part].view(np.uint8))
+    except (ValueError, IndexError, zstandard.ZstdError) as error:  # hash-valid but malformed
+        raise CorruptDeltaError(f"{entry.name} cannot be decoded: {error}") from error
+    if out_hash.hexdigest() != entry.hash:
         # Every blob matched its hash, so the base is the likely culprit: hashing it only
         # now keeps a second pass over the weights off the normal path.
         if base is not None and tensor_hash(base) != entry.base_hash:
             raise BaseMismatchError(f"{entry.name} differs from the base the delta was made against")
         raise CorruptDeltaError(f"{entry.name}: the decoded tensor does not match its hash")
     return out
+
+
+def _decoded_parts(entry: TensorEntry, base_bits: np.ndarray | None, out_bits: np.ndarray, fd: int,
+                   chunk_values: int) -> Iterator[slice]:
+    """Decode `entry` into `out_bits`, yielding each part once written; every value of
+    the tensor is written, or this raises ValueError."""
+    if entry.context is not None:
+        if base_bits is None or [c.coding for c in entry.chunks] != ["context"]:
+            raise ValueError("a context-coded tensor needs its base and one context chunk")
+        yield from decode_context(entry.dtype, entry.context.bounds, entry.context.dense,
+                                  _streams(fd, entry.chunks[0]), base_bits, out_bits, CONTEXT_CHUNK_VALUES)
+        return
+    if len(entry.chunks) * chunk_values < len(out_bits):
+        raise ValueError("the chunks do not cover the tensor")
+    for i, chunk in enumerate(entry.chunks):
+        part = slice(i * chunk_values, (i + 1) * chunk_values)
+        decode_change(None if base_bits is None else base_bits[part], chunk.coding, _streams(fd, chunk),
+                      out_bits[part])
+        yield part
+
+
+def _streams(fd: int, chunk: Chunk) -> list[bytes]:
+    """A chunk's blob, checked against its hash, cut into its streams."""
+    data, streams, start = _read(fd, chunk), [], 0
+    for length in chunk.streams:
+        streams.append(data[start:start + length])
+        start += length
+    if start != len(data):
+        raise CorruptDeltaError(f"blob at byte {chunk.offset}: its streams do not add up to it")
+    return streams
 
 
 def _write_files(old: Tensors, manifest: DeltaManifest, delta: Path, out_dir: Path) -> None:

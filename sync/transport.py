@@ -20,7 +20,7 @@ from pathlib import Path
 
 from liverl.settings import Settings
 from policies.registry import Registry
-from sync.delta import encode_delta
+from sync.delta import LATEST_FORMAT, encode_delta
 from sync.records import (
     StoredObject,
     VersionRecord,
@@ -38,16 +38,18 @@ log = logging.getLogger(__name__)
 
 def publish_version(store: DeltaStore, records: dict[str, VersionRecord], *, version: str, seq: int,
                     model_dir: Path, parent: str | None, parent_dir: Path | None,
-                    snapshot_every: int, work_dir: Path) -> VersionRecord:
+                    snapshot_every: int, work_dir: Path, delta_format: int = LATEST_FORMAT) -> VersionRecord:
     """Encode and upload what `version` needs (see the module doc); the record goes last,
-    so a listed version is complete. `records` are the store's current ones."""
+    so a listed version is complete. `records` are the store's current ones; the delta is
+    written in `delta_format` at most (`sync.delta`)."""
     work_dir.mkdir(parents=True, exist_ok=True)
     files: list[Path] = []
     try:
         delta = snapshot = None
         if parent is not None and parent_dir is not None:
             files.append(work_dir / f"{version}.delta")
-            manifest = encode_delta(parent_dir, model_dir, files[-1], base_version=parent, target_version=version)
+            manifest = encode_delta(parent_dir, model_dir, files[-1], base_version=parent, target_version=version,
+                                    format=delta_format)
             delta = StoredObject(key=delta_key(version), size=files[-1].stat().st_size)
         snapshots = [r.snapshot.size for r in sorted(records.values(), key=lambda r: r.seq) if r.snapshot]
         if (delta is None or parent not in records or seq % snapshot_every == 0
@@ -69,7 +71,8 @@ def publish_version(store: DeltaStore, records: dict[str, VersionRecord], *, ver
     return record
 
 
-def publish_new(store: DeltaStore, registry: Registry, snapshot_every: int, work_dir: Path) -> list[VersionRecord]:
+def publish_new(store: DeltaStore, registry: Registry, snapshot_every: int, work_dir: Path,
+                delta_format: int = LATEST_FORMAT) -> list[VersionRecord]:
     """Publish the registry's versions newer than the store's newest (only the latest one
     into an empty store: older ones nobody will fetch). Idempotent, so a learner that died
     between the registry and the store catches up on its next version."""
@@ -81,7 +84,8 @@ def publish_new(store: DeltaStore, registry: Registry, snapshot_every: int, work
         parent_dir = Path(registry.get(version.parent).model_dir) if version.parent else None
         record = publish_version(store, records, version=version.version, seq=version.seq,
                                  model_dir=Path(version.model_dir), parent=version.parent,
-                                 parent_dir=parent_dir, snapshot_every=snapshot_every, work_dir=work_dir)
+                                 parent_dir=parent_dir, snapshot_every=snapshot_every, work_dir=work_dir,
+                                 delta_format=delta_format)
         records[record.version] = record
         published.append(record)
     return published
@@ -94,7 +98,7 @@ def ship(settings: Settings, registry: Registry) -> list[VersionRecord]:
     try:
         store = sync_store(settings)
         published = publish_new(store, registry, settings.sync.snapshot_every,
-                                settings.data_dir / "cache" / "publish")
+                                settings.data_dir / "cache" / "publish", settings.sync.delta_format)
         collect_garbage(settings, store, registry)
     except Exception:
         log.exception("could not ship the new version to the delta store; replicas will load it in full")

@@ -3,15 +3,20 @@ record, never leaks an in-flight count, and answers hostile input with a 4xx."""
 
 from __future__ import annotations
 
-import uuid
+import asyncio
+import json
+import math
+import re
 
 import httpx
 import pytest
 from fastapi.testclient import TestClient
 from helpers import sql, wait_for
+from prometheus_client import generate_latest
 
 from liverl.keys import KeyStore
 from liverl.settings import ServingConfig, Settings
+import serving.gateway
 from serving.gateway import create_app, upstream_error
 
 
@@ -34,12 +39,12 @@ def test_a_group_id_that_cannot_be_recorded_is_refused_before_forwarding(setting
     assert "x-liverl-completion-id" not in response.headers  # no replica was asked
 
 
-@pytest.mark.parametrize("field, value", [("logprobs", "x"), ("logprobs", [1]), ("temperature", 1e400),
-                                          ("max_tokens", -1), ("n", 0), ("prompt", {"a": 1})])
+@pytest.mark.parametrize("field, value", [("logprobs", '"x"'), ("logprobs", "[1]"), ("logprobs", "1e400"),
+                                          ("temperature", "1e400"), ("max_tokens", "-1"), ("n", "0"),
+                                          ("prompt", '{"a": 1}')])
 def test_bad_fields_are_400_naming_them_and_leak_nothing(settings, gateway, field, value):
-    body = {"prompt": "x = ", "max_tokens": 2} | {field: value}
-    raw = httpx.Request("POST", "/", json=body).content if value != 1e400 else (
-        b'{"prompt": "x = ", "max_tokens": 2, "temperature": 1e400}')
+    body = {k: v for k, v in {"prompt": "x = ", "max_tokens": 2}.items() if k != field}
+    raw = json.dumps(body)[:-1] + f', "{field}": {value}}}'  # as sent: 1e400 is no Python float
     response = gateway.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
     assert response.status_code == 400 and field in response.json()["error"]["message"], response.text
     assert inflight(settings) == [0] * len(inflight(settings))
@@ -86,3 +91,43 @@ def test_a_tenant_over_its_rate_gets_429_with_retry_after(tmp_path):
     assert client.post("/v1/completions", json={"prompt": "x"}, headers=headers).status_code == 503
     limited = client.post("/v1/completions", json={"prompt": "x"}, headers=headers)
     assert limited.status_code == 429 and int(limited.headers["retry-after"]) >= 1
+
+
+def test_the_spec_describes_both_request_bodies(tmp_path):
+    spec = TestClient(create_app(Settings(data_dir=tmp_path))).get("/openapi.json").json()
+    for path, field in [("/v1/completions", "prompt"), ("/v1/chat/completions", "messages")]:
+        schema = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        assert field in schema["required"] and "n" in schema["properties"]
+        assert schema["additionalProperties"] is True  # vLLM's own fields are forwarded
+
+
+def test_a_choice_that_cannot_be_recorded_is_counted_and_named(settings, dev_keys, monkeypatch):
+    """A fake replica (a fault no real one produces on demand) answers a NaN logprob: the
+    client is served, the trajectory cannot be recorded, and that is counted in the metrics
+    and named in the request's row."""
+    answer = {"id": "cmpl-fake", "object": "text_completion", "model": "liverl-policy", "prompt_token_ids": [1, 2],
+              "choices": [{"index": 0, "text": " 1", "token_ids": [5], "finish_reason": "length",
+                           "logprobs": {"tokens": [" 1"], "token_logprobs": [math.nan], "text_offset": [0],
+                                        "top_logprobs": None}}]}
+    fake = httpx.MockTransport(lambda request: httpx.Response(200, content=json.dumps(answer).encode()))
+    monkeypatch.setattr(serving.gateway, "replica_async_client",
+                        lambda url, timeout: httpx.AsyncClient(transport=fake, base_url="http://replica"))
+
+    def failures(text: str) -> float:
+        return float(re.search(r"^liverl_gateway_record_failures_total ([0-9.e+]+)$", text, re.M).group(1))
+
+    async def go() -> httpx.Response:
+        app = create_app(settings)
+        async with app.router.lifespan_context(app):
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://gateway") as http:
+                return await http.post("/v1/completions", json={"prompt": "x = ", "max_tokens": 1},
+                                           headers={"Authorization": f"Bearer {dev_keys['tenant_key']}"})
+
+    before = failures(generate_latest().decode())
+    response = asyncio.run(go())  # the lifespan's end waits for the recording
+    after = failures(generate_latest().decode())
+    assert response.status_code == 200 and after == before + 1
+    cid = response.json()["completion_id"]
+    rows = wait_for(lambda: sql(settings, f"SELECT status, error FROM requests WHERE completion_id = '{cid}'"))
+    assert rows[0]["status"] == 200 and "not recorded" in rows[0]["error"] and cid in rows[0]["error"]
+    assert sql(settings, f"SELECT count() AS n FROM trajectories WHERE completion_id = '{cid}'")[0]["n"] == 0

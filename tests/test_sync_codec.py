@@ -1,4 +1,5 @@
-"""The delta codec: bit-exact round trips of any change, detection of any corruption."""
+"""The delta codec: bit-exact round trips of any change, detection of any corruption, in
+every delta format this liverl writes (`sync.delta.FORMATS`)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,9 @@ from sync import (
 from sync.checkpoint import bits
 from sync.cli import app
 from sync.codec import decode_change, encode_change
+from sync.delta import FORMATS
+
+formats = pytest.mark.parametrize("fmt", FORMATS)
 
 FLOATS = [torch.bfloat16, torch.float16, torch.float32]
 OTHERS = [torch.float64, torch.int64, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.float8_e4m3fn]
@@ -100,24 +104,26 @@ def small_chunks(monkeypatch):
 changes = st.tuples(st.sampled_from([0.0, 0.001, 0.05, 0.3, 0.8, 1.0]), st.sampled_from(["ulps", "sign", "bits"]))
 
 
+@formats
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**32 - 1), dtype=st.sampled_from(FLOATS + OTHERS),
        shape=st.sampled_from([(), (0,), (1,), (7, 13), (300,), (3, 5, 41)]), change=changes)
-def test_any_change_round_trips(tmp_path_factory, seed, dtype, shape, change):
+def test_any_change_round_trips(tmp_path_factory, fmt, seed, dtype, shape, change):
     rng = np.random.default_rng(seed)
     old = random_tensor(rng, dtype, shape)
     new = step(rng, old, *change)
     out = io.BytesIO()  # a stream works as well as a path
-    manifest = encode_delta({"w": old}, {"w": new}, out, base_version="a", target_version="b")
+    manifest = encode_delta({"w": old}, {"w": new}, out, base_version="a", target_version="b", format=fmt)
     path = tmp_path_factory.mktemp("d") / "d.delta"
     path.write_bytes(out.getvalue())
     assert same_bits(apply_delta({"w": old}, path, expected_base="a")["w"], new)
     assert manifest.tensors[0].encoding == ("same" if np.array_equal(bits(old), bits(new)) else "delta")
 
 
+@formats
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), change=changes)
-def test_models_with_new_removed_and_reshaped_tensors(tmp_path_factory, seed, change):
+def test_models_with_new_removed_and_reshaped_tensors(tmp_path_factory, fmt, seed, change):
     rng = np.random.default_rng(seed)
     old = {f"t{i}": random_tensor(rng, dtype, (int(rng.integers(0, 400)),))
            for i, dtype in enumerate(FLOATS + OTHERS)}
@@ -126,7 +132,7 @@ def test_models_with_new_removed_and_reshaped_tensors(tmp_path_factory, seed, ch
     new["t0"] = random_tensor(rng, torch.bfloat16, (5, 5))  # reshaped: coded in full
     new["t1"] = random_tensor(rng, torch.float32, (17,))  # dtype changed: coded in full
     path = tmp_path_factory.mktemp("d") / "d.delta"
-    manifest = encode_delta(old, new, path, base_version="a", target_version="b", threads=2)
+    manifest = encode_delta(old, new, path, base_version="a", target_version="b", threads=2, format=fmt)
     result = apply_delta(old, path, threads=2)
     assert list(result) == list(new) and all(same_bits(result[k], new[k]) for k in new)
     assert sorted(manifest.removed) == sorted(set(old) - set(new))
@@ -140,10 +146,11 @@ def special_bits(dtype: torch.dtype) -> np.ndarray:
     return np.array(SPECIAL_OF[dtype], np.uint64).astype(f"<u{width}").view(f"<i{width}")
 
 
+@formats
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), dtype=st.sampled_from(FLOATS), size=st.integers(1, 400),
        share=st.sampled_from([0.01, 0.2, 0.7, 1.0]))
-def test_special_values_changing_into_each_other(tmp_path_factory, seed, dtype, size, share):
+def test_special_values_changing_into_each_other(tmp_path_factory, fmt, seed, dtype, size, share):
     """NaN payloads, infinities, denormals, signed zeros and the largest finite values
     changing into one another, by an ulp across a boundary (the largest finite value to
     infinity, a denormal to a normal, +0 to the smallest denormal) or by a sign flip:
@@ -163,7 +170,7 @@ def test_special_values_changing_into_each_other(tmp_path_factory, seed, dtype, 
     new_bits[where] = changed[where]
     path = tmp_path_factory.mktemp("d") / "d.delta"
     encode_delta({"w": old, "same": old.clone()}, {"w": new, "same": old.clone()}, path,
-                 base_version="a", target_version="b")
+                 base_version="a", target_version="b", format=fmt)
     result = apply_delta({"w": old, "same": old}, path)
     assert same_bits(result["w"], new) and same_bits(result["same"], old)
 
@@ -236,18 +243,21 @@ def test_sparse_and_dense_codings_are_both_used():
 
 
 def test_full_snapshot_from_nothing(tmp_path):
+    """A snapshot has no base to give context, so it is written in format 1 whatever the
+    format asked: a replica that cannot read a newer format can always fall back to it."""
     new = {"w": random_tensor(np.random.default_rng(1), torch.bfloat16, (64, 64))}
     manifest = encode_delta({}, new, tmp_path / "full.delta", base_version="", target_version="v1")
-    assert manifest.tensors[0].encoding == "full"
+    assert manifest.tensors[0].encoding == "full" and read_manifest(tmp_path / "full.delta").format == 1
     assert same_bits(apply_delta({}, tmp_path / "full.delta")["w"], new["w"])
 
 
-def test_wrong_base_is_refused(tmp_path):
+@formats
+def test_wrong_base_is_refused(tmp_path, fmt):
     rng = np.random.default_rng(2)
     old = {"a": random_tensor(rng, torch.bfloat16, (500,)), "b": random_tensor(rng, torch.float32, (50,))}
     new = {"a": step(rng, old["a"], 0.1, "ulps"), "b": old["b"].clone()}
     path = tmp_path / "d.delta"
-    encode_delta(old, new, path, base_version="v1", target_version="v2")
+    encode_delta(old, new, path, base_version="v1", target_version="v2", format=fmt)
     with pytest.raises(BaseMismatchError, match="applies to version 'v1'"):
         apply_delta(old, path, expected_base="v0")
     for name in old:  # one flipped bit in a changed or an unchanged tensor
@@ -285,9 +295,11 @@ def two_versions(tmp_path):
     return v1, v2, new
 
 
-def test_checkpoint_directories_round_trip(tmp_path, two_versions):
+@formats
+def test_checkpoint_directories_round_trip(tmp_path, two_versions, fmt):
     v1, v2, new = two_versions
-    manifest = encode_delta(v1, v2, tmp_path / "d.delta", base_version="v1", target_version="v2")
+    manifest = encode_delta(v1, v2, tmp_path / "d.delta", base_version="v1", target_version="v2", format=fmt)
+    assert manifest.format == fmt
     assert sorted(f.path for f in manifest.files) == ["config.json", "tokenizer.json"]
     assert manifest.removed_files == ["stale.txt"]
     apply_delta_dir(v1, tmp_path / "d.delta", tmp_path / "out", expected_base="v1")
@@ -299,10 +311,11 @@ def test_checkpoint_directories_round_trip(tmp_path, two_versions):
         assert (tmp_path / "out" / name).read_bytes() == (v2 / name).read_bytes()
 
 
-def test_any_corrupted_or_truncated_byte_is_detected(tmp_path, two_versions):
+@formats
+def test_any_corrupted_or_truncated_byte_is_detected(tmp_path, two_versions, fmt):
     v1, v2, _ = two_versions
     good = tmp_path / "d.delta"
-    encode_delta(v1, v2, good, base_version="v1", target_version="v2")
+    encode_delta(v1, v2, good, base_version="v1", target_version="v2", format=fmt)
     data = good.read_bytes()
     bad = tmp_path / "bad.delta"
 
@@ -318,10 +331,11 @@ def test_any_corrupted_or_truncated_byte_is_detected(tmp_path, two_versions):
     check()
 
 
-@pytest.fixture
-def mixed_delta(tmp_path):
-    """A delta with every kind of entry: sparse and dense chunks of each float dtype,
-    passthrough dtypes, a new tensor, a removed one, an unchanged one."""
+@pytest.fixture(params=FORMATS)
+def mixed_delta(tmp_path, request):
+    """A delta with every kind of entry: sparse and dense chunks (format 1) or context
+    coded tensors (format 2) of each float dtype, passthrough dtypes, a new tensor (dense
+    chunks in every format), a removed one, an unchanged one."""
     rng = np.random.default_rng(4)
     old = {f"{dtype}".removeprefix("torch."): random_tensor(rng, dtype, (300,)) for dtype in FLOATS + OTHERS}
     old["gone"] = random_tensor(rng, torch.bfloat16, (10,))
@@ -331,10 +345,11 @@ def mixed_delta(tmp_path):
     new["bfloat16"] = old["bfloat16"].clone()
     new["fresh"] = random_tensor(rng, torch.float16, (64,))
     path = tmp_path / "mixed.delta"
-    manifest = encode_delta(old, new, path, base_version="a", target_version="b")
+    manifest = encode_delta(old, new, path, base_version="a", target_version="b", format=request.param)
     codings = {c.coding for t in manifest.tensors for c in t.chunks}
     encodings = {t.encoding for t in manifest.tensors}
-    assert codings == {"sparse", "dense"} and encodings == {"same", "delta", "full"} and manifest.removed == ["gone"]
+    assert codings == ({"sparse", "dense"} if request.param == 1 else {"context", "dense"})
+    assert encodings == {"same", "delta", "full"} and manifest.removed == ["gone"]
     return old, new, path
 
 
