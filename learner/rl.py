@@ -87,6 +87,31 @@ def kl_to_reference(logp: torch.Tensor, reference_logp: torch.Tensor) -> torch.T
     return torch.exp(log_ratio) - log_ratio - 1
 
 
+def policy_shift(parent_logp: torch.Tensor, logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """How far a version moved from its parent, and how sure it still is: the mean over
+    the positions in `mask` of the exact KL(parent || new) over the vocabulary and of the
+    new policy's entropy (log-probabilities [batch, positions, vocab], mask [batch, positions]).
+
+        KL(p || q) = sum_v p_v (log p_v - log q_v)        H(q) = - sum_v q_v log q_v
+
+    A KL that jumps between versions, or an entropy that collapses, is a policy running
+    off a cliff (the diagnostics PPO's trust region watches: Schulman et al. 2017)."""
+    parent_logp, logp, mask = parent_logp.detach(), logp.detach(), mask.bool()
+    kl = (parent_logp.exp() * (parent_logp - logp)).sum(-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    return {"kl_from_parent": kl[mask].mean().item(), "entropy": entropy[mask].mean().item()}
+
+
+def advantage_stats(advantages: torch.Tensor) -> dict[str, float]:
+    """What a batch's advantages look like: a std near 0 or most of them 0 means the
+    batch teaches little (groups whose rewards are all equal); a large max, that a few
+    samples dominate the step."""
+    return {"advantage_mean": advantages.mean().item(),
+            "advantage_std": advantages.std(unbiased=False).item(),
+            "advantage_abs_max": advantages.abs().max().item(),
+            "advantage_zero_fraction": (advantages == 0).float().mean().item()}
+
+
 def policy_gradient_loss(
     logp: torch.Tensor,
     behaviour_logp: torch.Tensor,

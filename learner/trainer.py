@@ -18,7 +18,14 @@ from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from learner import router_replay
-from learner.rl import RunningBaseline, group_advantages, policy_gradient_loss, version_minibatches
+from learner.rl import (
+    RunningBaseline,
+    advantage_stats,
+    group_advantages,
+    policy_gradient_loss,
+    policy_shift,
+    version_minibatches,
+)
 from liverl.contracts import Architecture, RewardedSample, misfit
 from liverl.settings import LearnerConfig
 
@@ -67,16 +74,22 @@ def collate(samples: list[RewardedSample], pad_id: int, layers: int, top_k: int)
                  None if routing is None else routing.reshape(layers, B * T, top_k))
 
 
-def token_logprobs(model: torch.nn.Module, batch: Batch,
-                   weights: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
-    """log pi(x_{j+1} | x_<=j) for every position, [B, T-1]; `weights` overrides the model's."""
+def vocabulary_logprobs(model: torch.nn.Module, batch: Batch,
+                        weights: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+    """log pi(. | x_<=j) over the vocabulary at every position, [B, T-1, V]; `weights`
+    overrides the model's."""
     inputs = dict(input_ids=batch.input_ids, attention_mask=batch.attention)
     if weights is None:
         logits = model(**inputs).logits.float()
     else:
         logits = torch.func.functional_call(model, weights, args=(), kwargs=inputs).logits.float()
-    logp = torch.log_softmax(logits[:, :-1], dim=-1)
-    return logp.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
+    return torch.log_softmax(logits[:, :-1], dim=-1)
+
+
+def token_logprobs(model: torch.nn.Module, batch: Batch,
+                   weights: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+    """log pi(x_{j+1} | x_<=j) for every position, [B, T-1]; `weights` overrides the model's."""
+    return vocabulary_logprobs(model, batch, weights).gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
 
 
 def problem(sample: RewardedSample, arch: Architecture) -> str | None:
@@ -143,12 +156,14 @@ class Trainer:
         self.model.train()
         advantages = self.advantages(samples)
         order = list(range(len(samples)))
-        stats: dict[str, list[float]] = {"loss": [], "mean_is_weight": [], "clipped_fraction": []}
+        stats: dict[str, list[float]] = {"loss": [], "mean_is_weight": [], "clipped_fraction": [], "grad_norm": []}
         abs_diff: list[torch.Tensor] = []
         mismatched, replayed_mismatched, routed = 0.0, 0.0, 0
         rng = random.Random(seed)
         parent = self.snapshot() if self.config.kl_coef > 0 else None  # the KL reference
         failed: dict[int, str] = {}  # sample index -> why it could not be trained on
+        # The first minibatch's samples, to see how far the version moves from its parent.
+        watched, parent_watch = self.watch(samples[: self.config.minibatch])
 
         def update(step: list[int], epoch: int) -> None:
             nonlocal mismatched, replayed_mismatched, routed
@@ -177,7 +192,7 @@ class Trainer:
                     replayed_mismatched += router_replay.routing_mismatch(
                         router_replay.used_routing(self.model), batch.routing, batch.attention) * n
                     routed += n
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+            stats["grad_norm"].append(float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)))
             self.optimizer.step()
             for k, v in step_stats.items():
                 stats[k].append(v)
@@ -200,11 +215,16 @@ class Trainer:
                         update(good, epoch)
         diffs = torch.cat(abs_diff) if abs_diff else torch.zeros(1)
         rewards = [s.reward for s in samples]
+        shift = {} if watched is None else policy_shift(parent_watch, self.vocabulary(watched),
+                                                        watched.completion_mask)
         return {
             "samples": len(samples),
             "tokens": int(diffs.numel()),
             "mean_reward": sum(rewards) / len(rewards),
             **{k: sum(v) / len(v) for k, v in stats.items() if v},
+            "grad_norm_max": max(stats["grad_norm"], default=None),
+            **advantage_stats(advantages),
+            **shift,
             "logprob_mismatch_mean": diffs.mean().item(),
             "logprob_mismatch_max": diffs.max().item(),
             # Recomputed top-k vs served (what training would use without replay)...
@@ -215,6 +235,29 @@ class Trainer:
             # Samples that broke a step and were skipped: the service dead-letters them.
             "untrainable": {samples[i].sample_id: why for i, why in failed.items()},
         }
+
+    def watch(self, samples: list[RewardedSample]) -> tuple[Batch | None, torch.Tensor | None]:
+        """The samples the version's shift from its parent is measured on, and the parent
+        over the vocabulary there; (None, None) under torchrun (the ranks would have to
+        agree on them) or if they cannot be run (the training loop deals with the culprit)."""
+        fit = [s for s in samples if problem(s, self.arch) is None]
+        if self.world > 1 or not fit:
+            return None, None
+        try:
+            batch = collate(fit, self.tokenizer.pad_token_id, self.layers, self.top_k)
+            return batch, self.vocabulary(batch)
+        except Exception:
+            return None, None
+
+    def vocabulary(self, batch: Batch) -> torch.Tensor:
+        """The current policy over the vocabulary at `batch`'s positions, as served (no
+        router replay, no dropout)."""
+        training = self.model.training
+        self.model.eval()
+        with torch.no_grad():
+            logp = vocabulary_logprobs(self.model, batch)
+        self.model.train(training)
+        return logp
 
     def trial(self, samples: list[RewardedSample], i: int) -> str | None:
         """Why a forward and backward on sample i alone fails, or None (no weights change)."""

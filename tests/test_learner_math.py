@@ -9,10 +9,12 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from learner import router_replay
 from learner.rl import (
     RunningBaseline,
+    advantage_stats,
     group_advantages,
     importance_weights,
     kl_to_reference,
     policy_gradient_loss,
+    policy_shift,
     version_minibatches,
 )
 from policies.offline_eval import offline_check, snis
@@ -67,6 +69,24 @@ def test_kl_k3_is_non_negative_and_zero_at_equality():
     logp = torch.log(torch.tensor([0.2, 0.5, 0.9]))
     assert torch.all(kl_to_reference(logp, logp) == 0)
     assert torch.all(kl_to_reference(logp, torch.log(torch.tensor([0.3, 0.1, 0.5]))) > 0)
+
+
+def test_policy_shift_by_hand():
+    """Parent (0.5, 0.5), new (0.9, 0.1) at the one position in the mask:
+    KL = 0.5 ln(0.5/0.9) + 0.5 ln(0.5/0.1) = 0.5108; H = -(0.9 ln 0.9 + 0.1 ln 0.1) = 0.3251.
+    The masked-out position (where parent and new differ wildly) does not count."""
+    parent = torch.log(torch.tensor([[[0.5, 0.5], [0.99, 0.01]]]))
+    new = torch.log(torch.tensor([[[0.9, 0.1], [0.01, 0.99]]]))
+    shift = policy_shift(parent, new, torch.tensor([[1.0, 0.0]]))
+    assert shift["kl_from_parent"] == pytest.approx(0.5108, abs=1e-4)
+    assert shift["entropy"] == pytest.approx(0.3251, abs=1e-4)
+    assert policy_shift(parent, parent, torch.ones(1, 2))["kl_from_parent"] == pytest.approx(0.0, abs=1e-7)
+
+
+def test_advantage_stats_by_hand():
+    stats = advantage_stats(torch.tensor([1.0, -1.0, 0.0, 0.0]))
+    assert stats == {"advantage_mean": 0.0, "advantage_std": pytest.approx(0.7071, abs=1e-4),
+                     "advantage_abs_max": 1.0, "advantage_zero_fraction": 0.5}
 
 
 def test_policy_gradient_raises_logprob_of_advantaged_tokens():
