@@ -230,15 +230,28 @@ def feedback_to_serving(settings: Settings) -> dict:
             "median_oldest": statistics.median(oldest), "max_oldest": max(oldest)}
 
 
-def summary(tallies: dict[str, Tally]) -> dict:
+def summary(tallies: dict[str, Tally], recent_s: float = 120.0, rise: float = 0.40) -> dict:
+    """What users saw: the starter's accept rate; the rate over the last `recent_s`
+    seconds of the run, whichever versions served it (the best version's rate, also
+    given, is the maximum over versions and so biased upward); and the seconds from
+    the first request until the rate of the last 100 verdicts first stood `rise` above
+    the starter's (None if it never did)."""
     versions = sorted(tallies, key=lambda v: int(v[1:]))
     first = tallies[versions[0]]
+    starter_rate = first.accepted / max(first.served, 1)
+    verdicts = sorted(e for t in tallies.values() for e in t.log)
+    end = verdicts[-1][0] if verdicts else 0.0
+    recent = [ok for at, ok in verdicts if at >= end - recent_s]
     judged = [v for v in versions if tallies[v].served >= 30] or versions
     best = max(judged, key=lambda v: tallies[v].accepted / max(tallies[v].served, 1))
     b = tallies[best]
     return {
         "starter": {"version": versions[0], "served": first.served,
-                    "accept_rate": first.accepted / max(first.served, 1), "ci": wilson(first.accepted, first.served)},
+                    "accept_rate": starter_rate, "ci": wilson(first.accepted, first.served)},
+        "last_two_minutes": {"served": len(recent), "accept_rate": sum(recent) / max(len(recent), 1),
+                             "ci": wilson(sum(recent), len(recent))},
+        "time_to_plus_40_s": next((at for at, _, rate in learning_curve(tallies) if rate >= starter_rate + rise),
+                                  None),
         "best": {"version": best, "served": b.served, "accept_rate": b.accepted / max(b.served, 1),
                  "ci": wilson(b.accepted, b.served), "first_served_s": b.first_at},
     }
