@@ -15,7 +15,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 from rich.table import Table
 
 from sync.checkpoint import Checkpoint
-from sync.delta import DeltaError, DeltaManifest, apply_delta_dir, encode_delta, read_manifest
+from sync.delta import FORMATS, LATEST_FORMAT, DeltaError, DeltaManifest, apply_delta_dir, encode_delta, read_manifest
 
 app = typer.Typer(help="Lossless deltas between versions of a Hugging Face safetensors checkpoint.",
                   no_args_is_help=True)
@@ -32,6 +32,8 @@ def encode(
     base_version: Optional[str] = typer.Option(None, help="Name of the base (default: OLD_DIR's name)."),
     target_version: Optional[str] = typer.Option(None, help="Name of the target (default: NEW_DIR's name)."),
     threads: Optional[int] = Threads,
+    format: int = typer.Option(LATEST_FORMAT, "--format", min=min(FORMATS), max=max(FORMATS),
+                               help="Delta format (1 for replicas that read no other)."),
 ) -> None:
     """Write the delta that turns OLD_DIR into NEW_DIR."""
     with _errors():
@@ -39,7 +41,7 @@ def encode(
         total = sum(new[name].nbytes for name in new)
     with _errors(), _progress("encoding", total) as advance:
         started = time.perf_counter()
-        manifest = encode_delta(old_dir, new, output, threads=threads, progress=advance,
+        manifest = encode_delta(old_dir, new, output, threads=threads, progress=advance, format=format,
                                 base_version=base_version or old_dir.resolve().name,
                                 target_version=target_version or new_dir.resolve().name)
         seconds = time.perf_counter() - started
@@ -80,6 +82,7 @@ def _summary(manifest: DeltaManifest, delta_bytes: int, seconds: float | None) -
     table = Table(show_header=False, box=None)
     for key, value in [
         ("versions", f"{manifest.base_version} -> {manifest.target_version}"),
+        ("format", str(manifest.format)),
         ("tensors", ", ".join(f"{n} {e}" for e, n in sorted(encodings.items()))
          + (f", {len(manifest.removed)} removed" if manifest.removed else "")),
         ("values changed", f"{manifest.changed:,} of {manifest.values:,} "

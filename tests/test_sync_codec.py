@@ -395,3 +395,8 @@ def test_cli_encode_apply_info(tmp_path, two_versions):
                                  "--expected-base", "v7"])
     assert result.exit_code == 1 and "not 'v7'" in result.output
     assert runner.invoke(app, ["info", str(tmp_path / "d.delta")]).exit_code == 0
+    result = runner.invoke(app, ["encode", str(v1), str(v2), "-o", str(tmp_path / "old.delta"), "--format", "1"])
+    assert result.exit_code == 0 and read_manifest(tmp_path / "old.delta").format == 1
+    assert "format" in runner.invoke(app, ["info", str(tmp_path / "old.delta")]).output
+    result = runner.invoke(app, ["encode", str(v1), str(v2), "-o", str(tmp_path / "x.delta"), "--format", "3"])
+    assert result.exit_code == 2 and "--format" in result.output  # refused, naming the option
