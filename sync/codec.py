@@ -27,6 +27,7 @@ import threading
 from collections.abc import Iterator
 
 import numpy as np
+import torch
 import zstandard
 
 # Above this share of changed values, coding every difference beats coding gaps.
@@ -102,11 +103,19 @@ def _gap_bytes(changed: np.ndarray) -> np.ndarray:
 
 
 def _positions(gap_bytes: np.ndarray) -> np.ndarray:
-    """The changed positions back from `_gap_bytes`."""
+    """The changed positions back from `_gap_bytes`: a running sum of each byte plus one
+    for the change it ends (bytes of 255 end none)."""
     if len(gap_bytes) and gap_bytes.max() == 255:
         ends = gap_bytes != 255  # each change ends with its one byte below 255
-        return np.cumsum(gap_bytes + ends, dtype=np.int64)[ends] - 1
-    return np.cumsum(gap_bytes, dtype=np.int64) + np.arange(len(gap_bytes))  # no long gaps
+        return _running_sum(gap_bytes + ends)[ends] - 1
+    return _running_sum(gap_bytes + np.uint8(1)) - 1  # no long gaps: every byte ends a change
+
+
+def _running_sum(steps: np.ndarray) -> np.ndarray:
+    """The int64 running sum of `steps`. numpy's takes 2.6 ns a value, torch's 0.8 in
+    place on int64 (widening inside torch runs on its thread pool, which costs 40x the
+    time on a busy machine; one running sum is never split across threads)."""
+    return torch.from_numpy(steps.astype(np.int64)).cumsum_(0).numpy()
 
 
 def _zigzag(values: np.ndarray) -> np.ndarray:
@@ -233,19 +242,17 @@ class ContextEncoder:
     def add(self, old: np.ndarray, new: np.ndarray) -> int:
         """Code one chunk; returns its number of changed values."""
         changed = np.flatnonzero(old != new)
-        magnitude = _magnitude(old)
-        thresholds = self.thresholds.astype(old.dtype)  # a wider scalar would widen every comparison
-        kind = _kind(_magnitude(np.take(old, changed)), thresholds)
+        members = _Members(old, self.thresholds)
+        kind = members.kind(np.take(old, changed))
         for c, dense in enumerate(self.dense):
-            members = _class_mask(magnitude, thresholds, c)
             if dense:
-                where = np.arange(len(old)) if members is None else np.flatnonzero(members)
+                where = members.of(c)
                 self.codes[c].append(_zigzag(np.take(new, where) - np.take(old, where)))
             else:
-                where = changed if members is None else np.compress(kind == c, changed)
-                self.ranks[c].append(self.seen[c] + (where if members is None else _ranks(members, where)))
+                where = changed if len(self.dense) == 1 else np.compress(kind == c, changed)
+                self.ranks[c].append(self.seen[c] + members.ranks(c, where))
                 self.codes[c].append(_zigzag(np.take(new, where) - np.take(old, where)) - 1)
-            self.seen[c] += len(old) if members is None else np.count_nonzero(members)
+            self.seen[c] += members.count(c)
         return len(changed)
 
     def finish(self) -> list[bytes]:
@@ -297,10 +304,11 @@ def decode_context(dtype: str, bounds: list[int], dense: list[bool], streams: li
 
 
 class _Members:
-    """Which values of one chunk belong to which class. The classes below the last are
-    listed once (`listed`, sorted positions per class; `small`, all of them): the last,
-    the largest magnitudes and most of the values, is listed only when asked, or reached
-    by counting the small values before a position."""
+    """Which values of one chunk belong to which class, from the base. The classes below
+    the last are listed in one pass over the chunk (`small`: their sorted positions;
+    `listed`: those of each class; `small_kind`: the class of each small value). The last,
+    the largest magnitudes and most of the values, is listed only when asked: otherwise a
+    position's rank in it is counted from the small values before it, and back."""
 
     def __init__(self, base: np.ndarray, thresholds: np.ndarray):
         self.size = len(base)
@@ -311,10 +319,15 @@ class _Members:
         if len(thresholds):
             self.is_small = _magnitude(base) < self.thresholds[-1]
             self.small = np.flatnonzero(self.is_small)
-            kind = _kind(np.take(base, self.small) & np.iinfo(base.dtype).max, self.thresholds)
-            self.listed = [np.compress(kind == c, self.small) for c in range(len(thresholds))]  # faster than a boolean index
+            self.small_kind = self.kind(np.take(base, self.small), small=True)
+            self.listed = [self.small] if len(thresholds) == 1 else [
+                np.compress(self.small_kind == c, self.small) for c in range(len(thresholds))]  # faster than a boolean index
         else:
             self.small = np.zeros(0, np.int64)
+
+    def kind(self, values: np.ndarray, small: bool = False) -> np.ndarray:
+        """The class of each of the base's `values` (`small`: all below the last class)."""
+        return _kind(_magnitude(values), self.thresholds[:-1] if small else self.thresholds)
 
     def count(self, c: int) -> int:
         return len(self.listed[c]) if c < len(self.listed) else self.size - len(self.small)
@@ -325,7 +338,7 @@ class _Members:
             return self.listed[c]
         if not len(self.thresholds):
             return np.arange(self.size)
-        if self.large is None:  # inverted in place: nothing reads the mask after this
+        if self.large is None:  # inverted in place: only the last class reads it, and once
             self.large = np.flatnonzero(np.logical_not(self.is_small, out=self.is_small))
         return self.large
 
@@ -336,16 +349,15 @@ class _Members:
         # The r-th large value comes after every small one with fewer large values before it.
         return ranks + np.searchsorted(self.small - np.arange(len(self.small)), ranks, side="right")
 
-
-def _class_mask(magnitude: np.ndarray, thresholds: np.ndarray, c: int) -> np.ndarray | None:
-    """Which values belong to class `c` (None: all, the only class)."""
-    if not len(thresholds):
-        return None
-    if c == 0:
-        return magnitude < thresholds[0]
-    if c == len(thresholds):
-        return magnitude >= thresholds[-1]
-    return (magnitude >= thresholds[c - 1]) & (magnitude < thresholds[c])
+    def ranks(self, c: int, positions: np.ndarray) -> np.ndarray:
+        """The ranks among class `c`'s members of some of them (sorted positions): the
+        inverse of `select`, from bit counts (a binary search per position is slower)."""
+        if not len(self.thresholds):
+            return positions
+        among_small = _ranks(self.is_small, positions)
+        if c == len(self.thresholds):
+            return positions - among_small
+        return among_small if len(self.listed) == 1 else _ranks(self.small_kind == c, among_small)
 
 
 def _ranks(mask: np.ndarray, positions: np.ndarray) -> np.ndarray:
@@ -408,18 +420,18 @@ def _differences(pairs: bytes, escapes: bytes, dtype: np.dtype, count: int | Non
         raise ValueError("difference codes do not match the changes")
     table = _pair_table(signed.str, offset)
     differences = np.take(table, packed).view(signed)[:count]
-    with_escape = np.flatnonzero(np.take(_HAS_ESCAPE, packed))  # bytes holding a code of 15
-    low, high = packed[with_escape] & 15 == _NIBBLE_ESCAPE, packed[with_escape] >> 4 == _NIBBLE_ESCAPE
-    escaped = np.sort(np.concatenate([2 * with_escape[low], 2 * with_escape[high] + 1]))
-    escaped = escaped[escaped < len(differences)]
+    # The escape code is the only one the table turns into this difference.
+    is_escaped = differences == _unzigzag(np.array([_NIBBLE_ESCAPE + offset], unsigned))[0]
     rest = np.frombuffer(_unpack(escapes), unsigned) if escapes else np.zeros(0, unsigned)
+    if not len(rest):  # the common case: checking is cheaper than listing
+        if is_escaped.any():
+            raise ValueError("escaped differences do not match their stream")
+        return differences
+    escaped = np.flatnonzero(is_escaped)
     if len(rest) != len(escaped):
         raise ValueError("escaped differences do not match their stream")
     differences[escaped] = _unzigzag(rest + unsigned.type(_NIBBLE_ESCAPE + offset))
     return differences
-
-
-_HAS_ESCAPE = np.array([b & 15 == _NIBBLE_ESCAPE or b >> 4 == _NIBBLE_ESCAPE for b in range(256)])
 
 
 @functools.cache
