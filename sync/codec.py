@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import threading
 from collections.abc import Iterator
 
@@ -168,17 +169,21 @@ def _decompressor() -> zstandard.ZstdDecompressor:
 #
 # So each tensor's values are split into at most `MAX_CLASSES` classes by the base
 # value's magnitude (ranges of exponents, chosen per tensor), and each class is coded
-# with its own statistics over the whole tensor: the positions of its changes as gaps
-# between their ranks among the class's members, and its differences. Classes of
-# neighbouring exponents change at similar rates, so 4 keep ~94% of the information that
-# one class per exponent would (measured on warmed-up Adam steps); and every class
-# costs the decoder a pass over the values, so fewer are faster. The largest magnitudes
-# form the last class, most of the values, which the decoder lists only when many of
-# them changed: otherwise it finds each change from its rank by counting the smaller
-# values before it.
+# with its own statistics over the whole tensor: the addresses of its changes as gaps
+# between them, and its differences. Classes of neighbouring exponents change at similar
+# rates, so 4 keep ~94% of the information that one class per exponent would (measured
+# on warmed-up Adam steps); and every class costs the decoder passes over the values,
+# so fewer are faster. The classes below the last are small: the decoder lists their
+# members (one pass over the values for all of them) and a change's address is its rank
+# among its class's members. The largest magnitudes form the last class, most of the
+# values: a change's address there is its position in the tensor, which costs 1-2% more
+# bytes than its rank (the gaps also count the small values between changes) but spares
+# the decoder a second pass listing the last class's members to find the rank-th (a
+# fifth of its time at lr 1e-5; docs/benchmarks.md, "Format 2").
 
 MAX_CLASSES = 4
 PLAN_SAMPLE = 1 << 16
+PLAN_BLOCKS = 64
 # Values per step of the coder: its temporaries stay in cache and in the memory glibc
 # keeps, and its ~40 numpy calls are few per value (decode of 2M-value bf16 tensors at lr
 # 1e-5: 430 MB/CPU-s at 128k, 450 at 256k, 470 at 512k, 420 at 1M).
@@ -193,23 +198,28 @@ CONTEXT_DENSE_MIN = 0.4
 FLOAT_LAYOUT = {"bfloat16": (8, 7), "float16": (5, 10), "float32": (8, 23), "float64": (11, 52),
                 "float8_e4m3fn": (4, 3), "float8_e5m2": (5, 2)}
 _NIBBLE_ESCAPE = 15  # a difference code of 15 or more: the rest goes to the escape stream
-_STREAMS_PER_CLASS = 3  # rank gaps, difference codes two per byte, escapes
+_STREAMS_PER_CLASS = 3  # address gaps, difference codes two per byte, escapes
 
 
 def context_classes(dtype: str, old: np.ndarray, new: np.ndarray) -> tuple[list[int], list[bool]]:
     """(class bounds, dense flags) for a tensor's base and target, from `PLAN_SAMPLE`
-    values spread over it (enough for the statistics, and a small cost per tensor).
+    values spread over it in `PLAN_BLOCKS` runs (enough for the statistics; runs, not
+    single values, so the sample reads 1/32 of a 2M-value tensor's memory, not all of it).
 
     A bound is the exponent where a class starts (the first starts at 0); the classes
     are merged from one per exponent, cheapest loss of mask entropy first, until at most
     `MAX_CLASSES` remain. Types without an exponent get one class."""
-    step = max(1, len(old) // PLAN_SAMPLE)
-    old, new = old[::step], new[::step]
+    if len(old) > PLAN_SAMPLE:
+        run = PLAN_SAMPLE // PLAN_BLOCKS
+        starts = np.linspace(0, len(old) - run, PLAN_BLOCKS).astype(np.int64)
+        sample = (starts[:, None] + np.arange(run)).reshape(-1)
+        old, new = np.take(old, sample), np.take(new, sample)
     if dtype not in FLOAT_LAYOUT or not len(old):
         return [], [bool(np.count_nonzero(old != new) > CONTEXT_DENSE_MIN * max(len(old), 1))]
-    exponents = _magnitude(old) >> FLOAT_LAYOUT[dtype][1]
-    members = np.bincount(exponents)
-    changes = np.bincount(exponents[old != new], minlength=len(members))
+    exponent_bits, mantissa_bits = FLOAT_LAYOUT[dtype]
+    exponents = (_magnitude(old) >> mantissa_bits).astype(np.intp)
+    counts = np.bincount(2 * exponents + (old != new), minlength=2 << exponent_bits)  # both counts, one pass
+    members, changes = counts[0::2] + counts[1::2], counts[1::2]
     # The last class starts at the largest exponent that leaves it `LARGE_MIN` of the values.
     top = int(np.flatnonzero(np.cumsum(members[::-1]) >= LARGE_MIN * len(old))[0])
     top = len(members) - 1 - top
@@ -226,7 +236,7 @@ def context_classes(dtype: str, old: np.ndarray, new: np.ndarray) -> tuple[list[
 def _mask_bits(members: int, changes: int) -> float:
     """Entropy in bits of which `changes` of `members` changed (order 0)."""
     p = changes / members if members else 0.0
-    return 0.0 if p in (0.0, 1.0) else -members * (p * np.log2(p) + (1 - p) * np.log2(1 - p))
+    return 0.0 if p in (0.0, 1.0) else -members * (p * math.log2(p) + (1 - p) * math.log2(1 - p))
 
 
 class ContextEncoder:
@@ -235,8 +245,8 @@ class ContextEncoder:
     def __init__(self, dtype: str, bounds: list[int], dense: list[bool]):
         self.thresholds = _thresholds(dtype, bounds)
         self.dense = dense
-        self.seen = np.zeros(len(dense), np.int64)  # members of each class in earlier chunks
-        self.ranks: list[list[np.ndarray]] = [[] for _ in dense]
+        self.seen = np.zeros(len(dense), np.int64)  # addresses of each class in earlier chunks
+        self.addresses: list[list[np.ndarray]] = [[] for _ in dense]
         self.codes: list[list[np.ndarray]] = [[] for _ in dense]
 
     def add(self, old: np.ndarray, new: np.ndarray) -> int:
@@ -250,17 +260,17 @@ class ContextEncoder:
                 self.codes[c].append(_zigzag(np.take(new, where) - np.take(old, where)))
             else:
                 where = changed if len(self.dense) == 1 else np.compress(kind == c, changed)
-                self.ranks[c].append(self.seen[c] + members.ranks(c, where))
+                self.addresses[c].append(self.seen[c] + members.address(c, where))
                 self.codes[c].append(_zigzag(np.take(new, where) - np.take(old, where)) - 1)
-            self.seen[c] += members.count(c)
+            self.seen[c] += members.span(c, dense)
         return len(changed)
 
     def finish(self) -> list[bytes]:
         streams = []
         for c, dense in enumerate(self.dense):
-            ranks = np.concatenate(self.ranks[c]) if self.ranks[c] else np.zeros(0, np.int64)
+            addresses = np.concatenate(self.addresses[c]) if self.addresses[c] else np.zeros(0, np.int64)
             codes = np.concatenate(self.codes[c]) if self.codes[c] else np.zeros(0, np.uint8)
-            streams += [b"" if dense else _pack(_gap_bytes(ranks)), *_code_streams(codes)]
+            streams += [b"" if dense else _pack(_gap_bytes(addresses)), *_code_streams(codes)]
         return streams
 
 
@@ -271,13 +281,13 @@ def decode_context(dtype: str, bounds: list[int], dense: list[bool], streams: li
     if len(streams) != _STREAMS_PER_CLASS * len(dense) or len(bounds) + 1 != len(dense):
         raise ValueError("context streams do not match the classes")
     thresholds = _thresholds(dtype, bounds)
-    ranks, codes = [], []
+    addresses, codes = [], []
     for c, is_dense in enumerate(dense):
         gaps, pairs, escapes = streams[_STREAMS_PER_CLASS * c:_STREAMS_PER_CLASS * (c + 1)]
-        ranks.append(None if is_dense else _positions(np.frombuffer(_unpack(gaps), np.uint8)))
-        count = None if is_dense else len(ranks[-1])
+        addresses.append(None if is_dense else _positions(np.frombuffer(_unpack(gaps), np.uint8)))
+        count = None if is_dense else len(addresses[-1])
         codes.append(_differences(pairs, escapes, out.dtype, count, 0 if is_dense else 1))
-    seen = np.zeros(len(dense), np.int64)  # members of each class in earlier chunks
+    seen = np.zeros(len(dense), np.int64)  # addresses of each class in earlier chunks
     used = np.zeros(len(dense), np.int64)  # codes of each class consumed
     for start in range(0, len(out), chunk_values):
         part = slice(start, start + chunk_values)
@@ -285,18 +295,18 @@ def decode_context(dtype: str, bounds: list[int], dense: list[bool], streams: li
         target[:] = base
         members = _Members(base, thresholds)
         for c in range(len(dense)):
-            count = members.count(c)
+            span = members.span(c, dense[c])
             if dense[c]:
                 where = members.of(c)
             else:
-                end = used[c] + int(np.searchsorted(ranks[c][used[c]:], seen[c] + count))
-                where = members.select(c, ranks[c][used[c]:end] - seen[c])
+                end = used[c] + int(np.searchsorted(addresses[c][used[c]:], seen[c] + span))
+                where = members.select(c, addresses[c][used[c]:end] - seen[c])
             values = codes[c][used[c]:used[c] + len(where)]
             if len(values) != len(where):
                 raise ValueError("context streams end before the tensor")
             np.add.at(target, where, values)  # target holds the base; add.at beats an indexed assignment
             used[c] += len(where)
-            seen[c] += count
+            seen[c] += span
         yield part
     # A dense class's last byte of codes may hold one padding code of 0.
     if any(len(v) - u not in ((0, 1) if d else (0,)) or (len(v) > u and v[-1]) for u, v, d in zip(used, codes, dense)):
@@ -307,8 +317,8 @@ class _Members:
     """Which values of one chunk belong to which class, from the base. The classes below
     the last are listed in one pass over the chunk (`small`: their sorted positions;
     `listed`: those of each class; `small_kind`: the class of each small value). The last,
-    the largest magnitudes and most of the values, is listed only when asked: otherwise a
-    position's rank in it is counted from the small values before it, and back."""
+    the largest magnitudes and most of the values, is listed only when a dense last class
+    asks for it."""
 
     def __init__(self, base: np.ndarray, thresholds: np.ndarray):
         self.size = len(base)
@@ -332,6 +342,11 @@ class _Members:
     def count(self, c: int) -> int:
         return len(self.listed[c]) if c < len(self.listed) else self.size - len(self.small)
 
+    def span(self, c: int, dense: bool) -> int:
+        """How many addresses class `c` has in this chunk: one per member (`address`),
+        but one per value for the sparse last class."""
+        return self.size if c == len(self.thresholds) and not dense else self.count(c)
+
     def of(self, c: int) -> np.ndarray:
         """Positions of class `c`'s members."""
         if c < len(self.listed):
@@ -342,22 +357,18 @@ class _Members:
             self.large = np.flatnonzero(np.logical_not(self.is_small, out=self.is_small))
         return self.large
 
-    def select(self, c: int, ranks: np.ndarray) -> np.ndarray:
-        """Positions of the members of class `c` with the (sorted) `ranks`."""
-        if c < len(self.thresholds) or len(ranks) * 32 > self.size:  # many changes: listing is cheaper
-            return np.take(self.of(c), ranks)
-        # The r-th large value comes after every small one with fewer large values before it.
-        return ranks + np.searchsorted(self.small - np.arange(len(self.small)), ranks, side="right")
-
-    def ranks(self, c: int, positions: np.ndarray) -> np.ndarray:
-        """The ranks among class `c`'s members of some of them (sorted positions): the
-        inverse of `select`, from bit counts (a binary search per position is slower)."""
-        if not len(self.thresholds):
+    def address(self, c: int, positions: np.ndarray) -> np.ndarray:
+        """The addresses in a sparse class's stream of some of class `c`'s members
+        (sorted positions): their ranks among the class's members, by bit counts (a
+        binary search per position is slower); in the last class, their positions."""
+        if c == len(self.thresholds):
             return positions
         among_small = _ranks(self.is_small, positions)
-        if c == len(self.thresholds):
-            return positions - among_small
         return among_small if len(self.listed) == 1 else _ranks(self.small_kind == c, among_small)
+
+    def select(self, c: int, addresses: np.ndarray) -> np.ndarray:
+        """Positions of the members of class `c` with the (sorted) `addresses`."""
+        return addresses if c == len(self.thresholds) else np.take(self.listed[c], addresses)
 
 
 def _ranks(mask: np.ndarray, positions: np.ndarray) -> np.ndarray:

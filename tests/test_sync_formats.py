@@ -152,3 +152,19 @@ def test_context_decoding_refuses_streams_that_do_not_fit():
         list(decode_context("bfloat16", bounds, dense, streams[:-1], old, out, 1000))
     with pytest.raises(ValueError):
         list(decode_context("bfloat16", [300], [False, False], streams[:6], old, out, 1000))
+
+
+@pytest.mark.parametrize("bounds", [[], [120], [117, 119], [116, 118, 120]])
+def test_every_class_layout_round_trips(bounds):
+    """Each class sparse or dense, the last one included (its changes addressed by position,
+    the others' by rank among their members), decoded in chunks unlike the encoder's."""
+    old, new = (bits(t) for t in adam_versions(30_000, 1e-4))
+    classes = len(bounds) + 1
+    for flags in range(1 << classes):
+        dense = [bool(flags >> c & 1) for c in range(classes)]
+        coder = ContextEncoder("bfloat16", bounds, dense)
+        for start in range(0, len(old), 7000):
+            coder.add(old[start:start + 7000], new[start:start + 7000])
+        out = np.empty_like(old)
+        list(decode_context("bfloat16", bounds, dense, coder.finish(), old, out, 4096))
+        assert np.array_equal(out, new), dense
