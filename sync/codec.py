@@ -105,18 +105,20 @@ def _gap_bytes(changed: np.ndarray) -> np.ndarray:
 
 def _positions(gap_bytes: np.ndarray) -> np.ndarray:
     """The changed positions back from `_gap_bytes`: a running sum of each byte plus one
-    for the change it ends (bytes of 255 end none)."""
-    if len(gap_bytes) and gap_bytes.max() == 255:
-        ends = gap_bytes != 255  # each change ends with its one byte below 255
-        return _running_sum(gap_bytes + ends)[ends] - 1
-    return _running_sum(gap_bytes + np.uint8(1)) - 1  # no long gaps: every byte ends a change
+    for the change it ends (bytes of 255 end none), less one."""
+    steps = gap_bytes.astype(np.int64)
+    ends = gap_bytes != 255 if len(gap_bytes) and gap_bytes.max() == 255 else None
+    steps += 1 if ends is None else ends  # no long gaps: every byte ends a change
+    steps[:1] -= 1
+    positions = _running_sum(steps)
+    return positions if ends is None else positions[ends]
 
 
 def _running_sum(steps: np.ndarray) -> np.ndarray:
-    """The int64 running sum of `steps`. numpy's takes 2.6 ns a value, torch's 0.8 in
-    place on int64 (widening inside torch runs on its thread pool, which costs 40x the
-    time on a busy machine; one running sum is never split across threads)."""
-    return torch.from_numpy(steps.astype(np.int64)).cumsum_(0).numpy()
+    """The running sum of int64 `steps`, in place. numpy's takes 2.6 ns a value, torch's
+    0.8 (in place on int64: widening inside torch runs on its thread pool, which costs
+    40x the time on a busy machine; one running sum is never split across threads)."""
+    return torch.from_numpy(steps).cumsum_(0).numpy()
 
 
 def _zigzag(values: np.ndarray) -> np.ndarray:
@@ -253,7 +255,7 @@ class ContextEncoder:
         """Code one chunk; returns its number of changed values."""
         changed = np.flatnonzero(old != new)
         members = _Members(old, self.thresholds)
-        kind = members.kind(np.take(old, changed))
+        kind = members.kind(changed)
         for c, dense in enumerate(self.dense):
             if dense:
                 where = members.of(c)
@@ -326,18 +328,19 @@ class _Members:
         self.thresholds = thresholds.astype(base.dtype)
         self.listed: list[np.ndarray] = []
         self.large: np.ndarray | None = None
+        self.magnitude = _magnitude(base)
         if len(thresholds):
-            self.is_small = _magnitude(base) < self.thresholds[-1]
+            self.is_small = self.magnitude < self.thresholds[-1]
             self.small = np.flatnonzero(self.is_small)
-            self.small_kind = self.kind(np.take(base, self.small), small=True)
+            self.small_kind = self.kind(self.small, small=True)
             self.listed = [self.small] if len(thresholds) == 1 else [
                 np.compress(self.small_kind == c, self.small) for c in range(len(thresholds))]  # faster than a boolean index
         else:
             self.small = np.zeros(0, np.int64)
 
-    def kind(self, values: np.ndarray, small: bool = False) -> np.ndarray:
-        """The class of each of the base's `values` (`small`: all below the last class)."""
-        return _kind(_magnitude(values), self.thresholds[:-1] if small else self.thresholds)
+    def kind(self, positions: np.ndarray, small: bool = False) -> np.ndarray:
+        """The class of the values at `positions` (`small`: all below the last class)."""
+        return _kind(np.take(self.magnitude, positions), self.thresholds[:-1] if small else self.thresholds)
 
     def count(self, c: int) -> int:
         return len(self.listed[c]) if c < len(self.listed) else self.size - len(self.small)
@@ -376,7 +379,8 @@ def _ranks(mask: np.ndarray, positions: np.ndarray) -> np.ndarray:
     set bits per 64 values, plus the set bits below the position in its 64 (a few
     operations per position, where a binary search would take dozens)."""
     packed = np.packbits(mask, bitorder="little")
-    words = np.pad(packed, (0, -len(packed) % 8)).view("<u8")
+    words = np.zeros(-(-len(packed) // 8), "<u8")  # whole words (np.pad costs more than the rest)
+    words.view(np.uint8)[:len(packed)] = packed
     counts = np.bitwise_count(words)
     before = np.cumsum(counts, dtype=np.int64) - counts
     word = positions >> 6
@@ -391,8 +395,10 @@ def _magnitude(bits: np.ndarray) -> np.ndarray:
 
 def _kind(magnitude: np.ndarray, thresholds: np.ndarray) -> np.ndarray:
     """The class of each magnitude (a sum of comparisons: faster than a search)."""
-    kind = np.zeros(len(magnitude), np.uint8)
-    for threshold in thresholds:
+    if not len(thresholds):
+        return np.zeros(len(magnitude), np.uint8)
+    kind = (magnitude >= thresholds[0]).view(np.uint8)
+    for threshold in thresholds[1:]:
         kind += magnitude >= threshold
     return kind
 
@@ -409,11 +415,10 @@ def _code_streams(codes: np.ndarray) -> list[bytes]:
     """Difference codes (mostly below 4) two per byte, so the entropy coder's at least
     one bit per symbol costs at most half a bit per difference; codes of 15 and more
     keep 15 there and the rest, whole, in an escape stream."""
-    nibbles = np.minimum(codes, _NIBBLE_ESCAPE).astype(np.uint8)
-    if len(nibbles) % 2:
-        nibbles = np.append(nibbles, np.uint8(0))
+    nibbles = np.zeros(len(codes) + len(codes) % 2, np.uint8)  # a padding code of 0 if odd
+    np.minimum(codes, _NIBBLE_ESCAPE, out=nibbles[:len(codes)], casting="unsafe")
     pairs = nibbles[0::2] | (nibbles[1::2] << 4)
-    escapes = codes[codes >= _NIBBLE_ESCAPE] - _NIBBLE_ESCAPE
+    escapes = np.compress(codes >= _NIBBLE_ESCAPE, codes) - _NIBBLE_ESCAPE  # faster than a boolean index
     return [_pack(pairs), _pack(escapes.view(np.uint8))]
 
 
