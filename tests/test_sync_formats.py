@@ -168,3 +168,22 @@ def test_every_class_layout_round_trips(bounds):
         out = np.empty_like(old)
         list(decode_context("bfloat16", bounds, dense, coder.finish(), old, out, 4096))
         assert np.array_equal(out, new), dense
+
+
+def test_escaped_differences_must_match_their_stream():
+    """A difference code of 15 sends the rest of the difference to the escape stream: a
+    stream with too few or too many escapes is refused, not read past."""
+    old = bits(torch.randn(4000, generator=torch.Generator().manual_seed(0)).bfloat16())
+    new = old.copy()
+    new[::3] += np.arange(len(new[::3]), dtype=np.int16) % 40  # differences up to 39: some escaped
+    coder = ContextEncoder("bfloat16", [], [False])
+    coder.add(old, new)
+    gaps, pairs, escapes = coder.finish()
+    assert escapes
+    out = np.empty_like(old)
+    list(decode_context("bfloat16", [], [False], [gaps, pairs, escapes], old, out, 1000))
+    assert np.array_equal(out, new)
+    more = zstandard.ZstdCompressor().compress(zstandard.ZstdDecompressor().decompress(escapes) * 2)
+    for wrong in (b"", more):
+        with pytest.raises(ValueError, match="escaped"):
+            list(decode_context("bfloat16", [], [False], [gaps, pairs, wrong], old, out, 1000))
