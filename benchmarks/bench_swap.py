@@ -54,7 +54,9 @@ def idle_swaps(settings: Settings, rounds: int) -> list[dict]:
     learner = settings.url(settings.ports.learner)
     httpx.post(learner + "/pause", params={"reason": "bench_swap"}, headers=admin_headers(settings),
                timeout=10).raise_for_status()
-    while httpx.get(learner + "/health", timeout=10).json()["promoting"]:
+    controller = settings.url(settings.ports.controller) + "/health"
+    while (health := httpx.get(controller, timeout=10).json())["canary"] or health["state"].startswith(
+            ("promoting", "starting")):
         time.sleep(1)
     registry = Registry(settings.policies_dir)
     stable = registry.stable()

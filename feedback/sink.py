@@ -20,7 +20,7 @@ from aiokafka import AIOKafkaConsumer
 from fastapi import Depends, FastAPI, HTTPException
 from fastapi.responses import PlainTextResponse
 from prometheus_client import Counter, Gauge
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import AwareDatetime, BaseModel, Field, ValidationError
 
 from feedback.analyst_sql import RefusedQuery, prepare
 from feedback.warehouse import FORMATS, Warehouse, open_warehouse, query_json
@@ -33,9 +33,10 @@ from liverl.contracts import (
     RewardedSample,
     Topics,
     Trajectory,
+    VersionName,
 )
 from liverl.http import refuse_deep_json
-from liverl.keys import KeyRecord, KeyStore, require_key
+from liverl.keys import KeyRecord, KeyStore, require_admin, require_key
 from liverl.observability import log, mount_metrics, setup_logging
 from liverl.settings import Settings, get_settings
 
@@ -137,7 +138,7 @@ class Sink:
                    accepted=None if not judged else int(s.accepted),
                    completion_tokens=len(s.trajectory.completion_token_ids),
                    reward_delta=s.reward, accepted_delta=int(bool(s.accepted)),
-                   judged_delta=int(judged), count_delta=1)
+                   judged_delta=int(judged), count_delta=1, source=s.trajectory.source)
         earlier = batch.get(s.sample_id)
         if earlier is not None and earlier["revision"] < s.revision:
             prev = earlier
@@ -213,6 +214,44 @@ async def consume(settings: Settings, sink: Sink, stop: asyncio.Event) -> None:
         await consumer.stop()
 
 
+class FiguresRequest(BaseModel):
+    versions: list[VersionName] = Field(min_length=1, max_length=32, description="Policy versions to report.")
+    since: AwareDatetime = Field(description="Completions served from this time...")
+    until: AwareDatetime = Field(description="...up to this one (late feedback: leave the window time).")
+    production_only: bool = Field(True, description="Leave out rollouts (source = rollout).")
+
+
+class VersionFigures(BaseModel):
+    """What the completions one version served to one tenant earned (latest revisions)."""
+
+    policy_version: str
+    tenant: str
+    samples: int = Field(description="Completions with a reward.")
+    judged: int = Field(description="...of which had an accept-like verdict.")
+    accepted: int
+    reward_sum: float
+    reward_squares: float
+
+
+FIGURES_SQL = """SELECT policy_version, tenant, toInt64(count()) AS samples,
+    toInt64(countIf(a IS NOT NULL)) AS judged, toInt64(sum(ifNull(a, 0))) AS accepted,
+    sum(r) AS reward_sum, sum(r * r) AS reward_squares
+FROM (SELECT policy_version, tenant, sample_id, argMax(accepted, revision) AS a, argMax(reward, revision) AS r
+      FROM samples WHERE policy_version IN ({versions}) AND served_at >= {since} AND served_at < {until}
+      {production} GROUP BY policy_version, tenant, sample_id)
+GROUP BY policy_version, tenant ORDER BY policy_version, tenant"""
+
+
+def timestamp_literal(t: datetime) -> str:
+    return f"toDateTime64({t.timestamp():.3f}, 3, 'UTC')"
+
+
+def figures_sql(request: FiguresRequest) -> str:
+    return FIGURES_SQL.format(versions=", ".join(quote(v) for v in request.versions),
+                              since=timestamp_literal(request.since), until=timestamp_literal(request.until),
+                              production="AND source != 'rollout'" if request.production_only else "")
+
+
 class SqlRequest(BaseModel):
     sql: str = Field(max_length=100_000, description="One SELECT over liverl's tables.")
     format: Literal["json", "csv", "table"] = "json"
@@ -245,6 +284,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         if task.done():
             raise HTTPException(503, f"consumer stopped: {task.exception()!r}")
         return {"ok": True}
+
+    @app.post("/figures")
+    async def figures(body: FiguresRequest, key: KeyRecord = Depends(require_admin)) -> list[VersionFigures]:
+        """Per version and tenant, what its served completions earned: the promotion
+        controller's live comparison (admin key; a fixed query, not analyst SQL)."""
+        rows = await asyncio.to_thread(query_json, app.state.warehouse, figures_sql(body))
+        return [VersionFigures(**row) for row in rows]
 
     @app.post("/sql", response_class=PlainTextResponse)
     async def sql(body: SqlRequest, key: KeyRecord = Depends(require_key)) -> str:

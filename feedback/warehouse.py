@@ -36,9 +36,12 @@ SCHEMA = [
         policy_version LowCardinality(String), reward Float64,
         reward_source LowCardinality(String), reward_fn_version LowCardinality(String),
         accepted Nullable(UInt8), completion_tokens UInt32,
-        reward_delta Float64, accepted_delta Int32, judged_delta Int32, count_delta Int32
+        reward_delta Float64, accepted_delta Int32, judged_delta Int32, count_delta Int32,
+        source LowCardinality(String)
     ) ENGINE = ReplacingMergeTree PARTITION BY toYYYYMM(timestamp)
     ORDER BY (tenant, policy_version, event_id)""",
+    # Stores made before samples said where their trajectory came from: all production.
+    "ALTER TABLE samples ADD COLUMN IF NOT EXISTS source LowCardinality(String) DEFAULT 'gateway'",
     """CREATE TABLE IF NOT EXISTS requests (
         event_id String, tenant LowCardinality(String), timestamp DateTime64(3, 'UTC'),
         completion_id Nullable(String), policy_version LowCardinality(String),

@@ -112,12 +112,49 @@ def advantage_stats(advantages: torch.Tensor) -> dict[str, float]:
             "advantage_zero_fraction": (advantages == 0).float().mean().item()}
 
 
+def clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor,
+                      clip_low: float, clip_high: float) -> torch.Tensor:
+    """PPO's pessimistic clipped surrogate (Schulman et al. 2017), to be maximised:
+
+        min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)
+
+    with DAPO's decoupled range (Yu et al. 2025, "clip-higher": eps_high > eps_low leaves
+    room to raise unlikely tokens). Once r leaves the range in the direction A pushes it,
+    the gradient is zero: a step cannot pay for moving the policy further."""
+    return torch.minimum(ratio * advantages, ratio.clamp(1 - clip_low, 1 + clip_high) * advantages)
+
+
+def sequence_ratio(logp: torch.Tensor, proximal_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """GSPO's sequence-level ratio (Zheng et al. 2025): the geometric mean of the per-token
+    ratios over each sequence's completion tokens, exp(mean_t (log pi - log pi_prox)),
+    broadcast to its tokens. One number per sequence, as its reward is one number."""
+    mean_log_ratio = ((logp - proximal_logp) * mask).sum(1) / mask.sum(1).clamp(min=1)
+    return torch.exp(mean_log_ratio)[:, None].expand_as(logp)
+
+
+def cispo_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, logp: torch.Tensor,
+                    clip_low: float, clip_high: float) -> torch.Tensor:
+    """CISPO (MiniMax-M1, 2025): REINFORCE weighted by the clipped ratio, held constant,
+
+        sg(clip(r, 1 - eps_low, 1 + eps_high)) * A * log pi
+
+    so a token far from the proximal policy still gets a (bounded) gradient instead of none."""
+    return ratio.clamp(1 - clip_low, 1 + clip_high).detach() * advantages * logp
+
+
+OBJECTIVES = ("reinforce", "ppo", "gspo", "cispo")
+
+
 def policy_gradient_loss(
     logp: torch.Tensor,
     behaviour_logp: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
     *,
+    objective: str = "reinforce",
+    proximal_logp: torch.Tensor | None = None,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
     is_mode: str = "tis",
     is_threshold: float = 2.0,
     reference_logp: torch.Tensor | None = None,
@@ -126,22 +163,54 @@ def policy_gradient_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Off-policy corrected policy gradient, token-level (shapes: [batch, tokens]).
 
-    loss = - sum_t w_t * A * log pi(t) / #tokens   (+ kl_coef * KL(pi || ref))
-    whose gradient is the importance-weighted REINFORCE estimator of grad E_pi[R].
-    `normalizer` replaces #tokens when the batch is split over data-parallel ranks
-    (every rank divides by the same count, so their averaged gradients equal one rank's).
+    - "reinforce": loss = - sum_t w_t * A * log pi(t) / #tokens, w = pi/mu made safe
+      (`importance_weights`): the importance-weighted REINFORCE estimator of grad E_pi[R].
+      Nothing bounds how far a version moves from the policy that sampled.
+    - "ppo", "gspo", "cispo": decoupled PPO (Hilton et al. 2022, "Batch size-invariance
+      for policy optimization"): the trust region is around the proximal policy pi_prox
+      (the version's parent, which the learner holds), r = pi/pi_prox; the off-policy
+      correction for the behaviour version mu, w = pi_prox/mu made safe, is a constant.
+      loss = - sum_t w_t * surrogate_t / #tokens, the surrogate per objective above.
+
+    Every objective normalises by the batch's token count (DAPO's token-level loss), plus
+    kl_coef * KL(pi || ref) per token if asked. `normalizer` replaces #tokens when the
+    batch is split over data-parallel ranks (every rank divides by the same count, so
+    their averaged gradients equal one rank's).
     """
-    weights = importance_weights(logp, behaviour_logp, is_mode, is_threshold)
-    per_token = -weights * advantages[:, None] * logp
+    A = advantages[:, None]
+    if objective == "reinforce":
+        weights = importance_weights(logp, behaviour_logp, is_mode, is_threshold)
+        per_token = -weights * A * logp
+        with torch.no_grad():
+            ratio = torch.exp(logp - behaviour_logp)
+            clipped = (ratio > is_threshold) | (weights == 0)
+    elif objective in OBJECTIVES:
+        if proximal_logp is None:
+            raise ValueError(f"objective {objective!r} needs the proximal policy's logprobs")
+        proximal_logp = proximal_logp.detach()
+        weights = importance_weights(proximal_logp, behaviour_logp, is_mode, is_threshold)
+        if objective == "gspo":
+            ratio = sequence_ratio(logp, proximal_logp, mask)
+        else:
+            ratio = torch.exp(logp - proximal_logp)
+        outside_high, outside_low = (ratio > 1 + clip_high).detach(), (ratio < 1 - clip_low).detach()
+        if objective == "cispo":
+            surrogate = cispo_surrogate(ratio, A, logp, clip_low, clip_high)
+            clipped = outside_high | outside_low  # the weight is capped there
+        else:
+            surrogate = clipped_surrogate(ratio, A, clip_low, clip_high)
+            clipped = (outside_high & (A > 0)) | (outside_low & (A < 0))  # the gradient is zero there
+        per_token = -weights * surrogate
+    else:
+        raise ValueError(f"objective must be one of {OBJECTIVES}, not {objective!r}")
     if reference_logp is not None and kl_coef > 0:
         per_token = per_token + kl_coef * kl_to_reference(logp, reference_logp)
     tokens = mask.sum().clamp(min=1)
     loss = (per_token * mask).sum() / (tokens if normalizer is None else normalizer)
     with torch.no_grad():
-        ratio = torch.exp(logp - behaviour_logp)
         stats = {
             "loss": loss.item(),
             "mean_is_weight": ((weights * mask).sum() / tokens).item(),
-            "clipped_fraction": (((ratio > is_threshold) | (weights == 0)) * mask).sum().item() / tokens.item(),
+            "clipped_fraction": (clipped * mask).sum().item() / tokens.item(),
         }
     return loss, stats

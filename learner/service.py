@@ -3,12 +3,16 @@
 Cycle: consume samples (latest revision of each wins; stale, excluded-tenant, already
 trained and malformed samples are counted, never trained) -> when N samples arrived or
 T passed, train -> write the candidate version, the trained sample ids and the offsets
-in one registry transaction -> commit the Kafka offsets -> hand the candidate to the
-promoter (offline gate, then canary rollout) in the background, so serving never waits
-for training and training never waits for a swap.
+in one registry transaction -> commit the Kafka offsets. The promotion controller
+(`policies/controller.py`, its own process) takes candidates from the registry, so
+serving never waits for training and training never waits for a canary.
 
-A learner killed at any line resumes from the registry: the last version's master
-weights and optimizer state, and the offsets recorded with it.
+When the controller takes a version off users (a canary aborted, a slide rolled back)
+it asks for a rewind in the registry: the learner continues from that stable version's
+weights and optimizer state, not from the rejected chain.
+
+A learner killed at any line resumes from the registry: the head version's master
+weights and optimizer state (`Registry.head`), and the offsets recorded with it.
 """
 
 from __future__ import annotations
@@ -36,7 +40,6 @@ from liverl.keys import KeyRecord, KeyStore, require_admin
 from liverl.observability import log, mount_metrics, setup_logging
 from liverl.settings import Settings, get_settings
 from policies.offline_eval import offline_check, snis
-from policies.promotion import Promoter
 from policies.registry import PolicyVersion, Registry, SampleWindow
 from sync.transport import ship
 
@@ -76,19 +79,36 @@ class Learner:
         self.registry = Registry(settings.policies_dir)
         self.state_dir = settings.data_dir / "learner"
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        self.current: PolicyVersion = self.registry.latest()
-        state = self.state_dir / f"{self.current.version}.pt"
-        self.trainer = Trainer(Path(self.current.model_dir), self.config, state if state.exists() else None)
+        self.current: PolicyVersion = self.registry.head()
+        rewind = self.registry.last_rewind()
+        self.applied_rewind = rewind.id if rewind else 0  # head() has taken it into account
+        self.trainer = self.trainer_at(self.current)
+        self.serving: set[str] = set()  # versions on replicas now: their samples are never stale
         self.pending: dict[str, RewardedSample] = {}
         self.holdout: list[RewardedSample] = []
         self.dropped = {"stale": 0, "consent": 0, "malformed": 0, "already_trained": 0, "untrainable": 0}
         self.next_offsets: dict[TopicPartition, int] = {}
         self.window_started = time.time()
-        self.promoter = Promoter(settings, self.registry)
         self.cluster_id = settings.broker_cluster_id or "external"
         self.committed: dict[TopicPartition, int] = {}
         self.flush_requested = threading.Event()
         self.paused = threading.Event()
+
+    def trainer_at(self, version: PolicyVersion) -> Trainer:
+        """A trainer from `version`'s weights, with its optimizer state where it was kept."""
+        state = self.state_dir / f"{version.version}.pt"
+        return Trainer(Path(version.model_dir), self.config, state if state.exists() else None)
+
+    def rewind_if_asked(self) -> None:
+        """Continue from the version the controller put back, if it asked since the last look."""
+        rewind = self.registry.last_rewind()
+        if rewind is None or rewind.id <= self.applied_rewind:
+            return
+        target = self.registry.get(rewind.version)
+        self.trainer = self.trainer_at(target)
+        self.current, self.applied_rewind = target, rewind.id
+        VERSION.set(target.seq)
+        log(logger, "rewound", version=target.version, reason=rewind.reason)
 
     # --- consuming -------------------------------------------------------------------------
     def consumer(self) -> KafkaConsumer:
@@ -128,7 +148,10 @@ class Learner:
         if sample.tenant in self.config.excluded_tenants:
             return self.drop("consent")
         behaviour = self.registry.seq_of(sample.trajectory.policy_version)
-        if behaviour is None or self.current.seq - behaviour > self.config.max_version_lag:
+        # What stable and a canary serve is never stale: while a canary is judged the
+        # learner writes candidates on, and stable's traffic must not be thrown away.
+        serving = sample.trajectory.policy_version in self.serving
+        if behaviour is None or (not serving and self.current.seq - behaviour > self.config.max_version_lag):
             return self.drop("stale")
         if self.registry.trained([sample.sample_id]):
             return self.drop("already_trained")  # a revision after its sample was learned
@@ -169,6 +192,7 @@ class Learner:
                 self.dead_letter(why, encode(sample), sample.tenant)
                 self.drop("untrainable")
         metrics["dropped"] = dict(self.dropped)
+        metrics["after_rewind"] = self.applied_rewind  # Registry.head: trained after that rewind
         if self.holdout:
             rewards = torch.tensor([s.reward for s in self.holdout])
             candidate = snis(self.trainer.mean_log_ratios(self.holdout), rewards, self.config.gate_clip)
@@ -189,16 +213,15 @@ class Learner:
         log(logger, "version written", version=version.version, samples=len(batch),
             reward=metrics["mean_reward"], seconds=round(metrics["train_seconds"], 2))
         self.current = version
-        for stale in self.state_dir.glob("*.pt"):  # training resumes from the newest state only
-            if stale.name != f"{version.version}.pt":
-                stale.unlink()
         self.pending.clear()
         self.dropped = dict.fromkeys(self.dropped, 0)
         self.window_started = time.time()
         VERSION.set(version.seq)
         if self.settings.sync.transport == "delta":  # in the store before a swap looks for it
             ship(self.settings, self.registry)
-        self.promoter.offer(version)
+        for state in self.state_dir.glob("*.pt"):  # kept while retention keeps the weights (a rewind's)
+            if not (self.settings.policies_dir / state.stem).exists():
+                state.unlink()
         return version
 
     def commit(self, consumer: KafkaConsumer) -> None:
@@ -217,6 +240,8 @@ class Learner:
         VERSION.set(self.current.seq)
         try:
             while not stop.is_set():
+                self.rewind_if_asked()
+                self.serving = {v.version for state in ("stable", "canary") for v in self.registry.in_state(state)}
                 if self.paused.is_set():  # on-call paused learning: consume nothing, write nothing
                     time.sleep(0.2)
                     continue
@@ -225,17 +250,12 @@ class Learner:
                         self.take(record.value)
                         self.next_offsets[tp] = record.offset + 1
                 PENDING.set(len(self.pending))
-                if self.promoter.busy.is_set():
-                    # Training would starve the rollout's threads here (CPU and the GIL) and
-                    # stretch each replica's serving pause; the next version can wait seconds.
-                    continue
                 if self.due() or (self.flush_requested.is_set() and self.pending):
                     self.learn(consumer)
                 self.flush_requested.clear()
                 self.settle(consumer)
         finally:
             consumer.close(autocommit=False)
-            self.promoter.stop()
 
 
 def create_app(settings: Settings) -> tuple[FastAPI, Learner]:
@@ -248,8 +268,7 @@ def create_app(settings: Settings) -> tuple[FastAPI, Learner]:
     @app.get("/health")
     def health() -> dict:
         return {"ok": True, "version": learner.current.version, "pending": len(learner.pending),
-                "paused": learner.paused.is_set(), "promoting": learner.promoter.busy.is_set(),
-                "promotion_error": learner.promoter.last_error}
+                "paused": learner.paused.is_set()}
 
     @app.post("/pause")
     def pause(reason: str = "", key: KeyRecord = Depends(require_admin)) -> dict:

@@ -122,9 +122,10 @@ class Trainer:
         router_replay.install(self.model)
         self.rank, self.world = data_parallel()
         if self.world > 1:
-            if state is not None or config.kl_coef > 0:
+            if state is not None or config.kl_coef > 0 or config.objective != "reinforce":
                 raise ValueError("under torchrun the learner starts from a published version "
-                                 "(no saved optimizer state) and without a KL reference")
+                                 "(no saved optimizer state), without a KL reference or a proximal "
+                                 "policy (objective reinforce)")
             # FSDP2: each decoder layer's weights, grads and Adam state are split over
             # the ranks and gathered only for that layer's forward and backward.
             for layer in self.model.model.layers:
@@ -160,7 +161,8 @@ class Trainer:
         abs_diff: list[torch.Tensor] = []
         mismatched, replayed_mismatched, routed = 0.0, 0.0, 0
         rng = random.Random(seed)
-        parent = self.snapshot() if self.config.kl_coef > 0 else None  # the KL reference
+        # The parent: the KL reference, and the proximal policy of the trust region.
+        parent = self.snapshot() if self.config.kl_coef > 0 or self.config.objective != "reinforce" else None
         failed: dict[int, str] = {}  # sample index -> why it could not be trained on
         # The first minibatch's samples, to see how far the version moves from its parent.
         watched, parent_watch = self.watch(samples[: self.config.minibatch])
@@ -171,15 +173,17 @@ class Trainer:
             batch = collate([samples[i] for i in idx], self.tokenizer.pad_token_id, self.layers, self.top_k)
             routing = batch.routing if self.config.router_replay else None
             with router_replay.replay(self.model, routing):
-                reference = None
+                parent_logp = None
                 if parent is not None:
                     with torch.no_grad():
-                        reference = token_logprobs(self.model, batch, parent)
+                        parent_logp = token_logprobs(self.model, batch, parent)
                 logp = token_logprobs(self.model, batch)  # last: the routing stats read this pass
             loss, step_stats = policy_gradient_loss(
                 logp, batch.behaviour_logp, advantages[idx] * share, batch.completion_mask,
+                objective=self.config.objective, proximal_logp=parent_logp,
+                clip_low=self.config.clip_low, clip_high=self.config.clip_high,
                 is_mode=self.config.is_mode, is_threshold=self.config.is_threshold,
-                reference_logp=reference, kl_coef=self.config.kl_coef, normalizer=normalizer,
+                reference_logp=parent_logp, kl_coef=self.config.kl_coef, normalizer=normalizer,
             )
             self.optimizer.zero_grad()
             loss.backward()  # the last line that can fail: nothing below changes the weights

@@ -268,15 +268,18 @@ def policy_promote(version: str, data_dir: Optional[Path] = DataDir,
 @policy_app.command("rollback")
 def policy_rollback(reason: str = typer.Option(..., help="Why (recorded in the audit log)."),
                     data_dir: Optional[Path] = DataDir,
-                    actor: str = typer.Option("cli", help="Who rolls back (recorded in the audit log).")) -> None:
-    """Take the stable version out of serving: the previous stable one returns everywhere."""
+                    actor: str = typer.Option("cli", help="Who rolls back (recorded in the audit log)."),
+                    to: Optional[str] = typer.Option(None, help="The version to put back (default: the "
+                                                     "previous stable one).")) -> None:
+    """Take the stable version out of serving: the previous stable one (or --to) returns
+    everywhere, verified, and the learner continues from it."""
     from policies.promotion import Promoter
     from policies.registry import Registry
 
     settings = settings_from(data_dir)
     try:
-        result = Promoter(settings, Registry(settings.policies_dir)).rollback(actor, reason)
-    except (KeyError, RuntimeError) as error:
+        result = Promoter(settings, Registry(settings.policies_dir)).rollback(actor, reason, to=to)
+    except (KeyError, ValueError, RuntimeError) as error:
         fail(str(error))
     console.print(f"{result.version}: {result.state}")
 

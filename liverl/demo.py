@@ -141,10 +141,11 @@ class Population:
         self.feedback.close()
 
 
-def live_table(pop: Population, learner_status: dict) -> Table:
+def live_table(pop: Population, learner_status: dict, controller_status: dict) -> Table:
     elapsed = time.time() - pop.started
     table = Table(title=f"liverl demo - {elapsed:5.0f} s - learner at {learner_status.get('version', '?')}, "
-                        f"{learner_status.get('pending', 0)} samples pending - {pop.errors} errors")
+                        f"{learner_status.get('pending', 0)} samples pending - {pop.errors} errors\n"
+                        f"controller: {controller_status.get('state', '?')}")
     for column in ("version", "first served (s)", "served", "accepted", "accept rate", "95% CI"):
         table.add_column(column, justify="right")
     with pop._lock:
@@ -230,6 +231,18 @@ def feedback_to_serving(settings: Settings) -> dict:
             "median_oldest": statistics.median(oldest), "max_oldest": max(oldest)}
 
 
+def guard_verdicts(settings: Settings) -> list[dict]:
+    """Versions the promotion controller took off users, and why (from the registry)."""
+    registry = Registry(settings.policies_dir)
+    stopped = []
+    for event in registry.history():
+        if event["to"] in ("aborted", "rolled_back") and event["actor"] == "controller":
+            canary = registry.get(event["version"]).metrics.get("canary", {})
+            stopped.append({"version": event["version"], "state": event["to"],
+                            "seconds": canary.get("seconds"), "reason": event["reason"]})
+    return stopped
+
+
 def summary(tallies: dict[str, Tally], recent_s: float = 120.0, rise: float = 0.40) -> dict:
     """What users saw: the starter's accept rate; the rate over the last `recent_s`
     seconds of the run, whichever versions served it (the best version's rate, also
@@ -270,16 +283,18 @@ def run_demo(settings: Settings, minutes: float, users: int, seed: int, max_toke
         keys = json.loads(settings.dev_keys_file.read_text())
         pop = Population(settings, keys["tenant_key"], users, seed, max_tokens)
         threads = pop.start()
-        learner_url = settings.url(settings.ports.learner) + "/health"
-        status: dict = {}
-        with Live(live_table(pop, status), console=console, refresh_per_second=2) as live:
+        urls = {name: settings.url(getattr(settings.ports, name)) + "/health" for name in ("learner", "controller")}
+        status: dict[str, dict] = {name: {} for name in urls}
+        with Live(live_table(pop, status["learner"], status["controller"]), console=console,
+                  refresh_per_second=2) as live:
             while time.time() - pop.started < minutes * 60:
                 time.sleep(1)
-                try:
-                    status = httpx.get(learner_url, timeout=2).json()
-                except httpx.HTTPError:
-                    pass
-                live.update(live_table(pop, status))
+                for name, url in urls.items():
+                    try:
+                        status[name] = httpx.get(url, timeout=2).json()
+                    except httpx.HTTPError:
+                        pass
+                live.update(live_table(pop, status["learner"], status["controller"]))
         pop.stop(threads)
         drain(settings, settings.drain_timeout_s, say=lambda _: None)
         per_version = json.loads(httpx.post(settings.url(settings.ports.sink) + "/sql", timeout=60, json={
@@ -287,6 +302,9 @@ def run_demo(settings: Settings, minutes: float, users: int, seed: int, max_toke
         print_rows(per_version, "per policy version, from ClickHouse")
         result = summary(pop.tallies)
         result["feedback_to_serving_s"] = feedback_to_serving(settings)
+        result["guard"] = guard_verdicts(settings)
+        if result["guard"]:
+            print_rows(result["guard"], "versions the guard stopped")
         result["learning_curve"] = learning_curve(pop.tallies)[::25]
         result["clickhouse"] = per_version
         png, html = plot(pop.tallies, out_dir)
@@ -305,8 +323,12 @@ def run_demo(settings: Settings, minutes: float, users: int, seed: int, max_toke
 def demo_settings() -> Settings:
     """The demo's stack: its own data directory, fast cadence, automatic promotion."""
     defaults = {
-        "learner": {"batch_samples": 96, "lr": 3e-4, "auto_promote": True, "max_version_lag": 3,
+        "learner": {"batch_samples": 96, "lr": 3e-4, "max_version_lag": 3,
                     "gate_min_ess": 5.0, "gate_margin": 0.1},
         "feedback": {"reward_window_s": 300.0},
+        # A canary serves beside stable on a second replica; the simulated users answer
+        # within milliseconds, so a completion is judged a second after it was served.
+        "serving": {"replicas": 2},
+        "promotion": {"auto_promote": True, "judge_after_s": 1.0},
     }  # the demo's own defaults: `LIVERL_*` variables still override each of them
     return settings_with_defaults(defaults, data_dir=Settings().data_dir / "demo")

@@ -137,6 +137,7 @@ class PortsConfig(Config):
     sink: Port = Field(18090, description="Analytics sink (ClickHouse owner) port.")
     feedback: Port = Field(18070, description="Faust feedback worker web port.")
     learner: Port = Field(18060, description="Learner metrics/admin port.")
+    controller: Port = Field(18050, description="Promotion controller's health and admin port.")
     replica_base: Port = Field(18100, description="First vLLM replica port; replica i uses base+i.")
 
 
@@ -245,6 +246,13 @@ class LearnerConfig(Config):
     max_interval_s: float = Field(3 * 3600.0, gt=0, description="...or once this long passed with any.")
     min_samples: int = Field(8, ge=1, description="Fewest samples worth a version when time is up.")
     max_version_lag: int = Field(4, ge=0, description="Drop samples more versions behind than this.")
+    objective: Literal["reinforce", "ppo", "gspo", "cispo"] = Field(
+        "reinforce", description="Policy-gradient objective (`learner/rl.py`): off-policy REINFORCE, or a "
+        "trust region around the version's parent: PPO-clip, GSPO (sequence ratio), CISPO (clipped weight).",
+    )
+    clip_low: float = Field(0.2, gt=0.0, lt=1.0, description="Trust region: ratios below 1 - clip_low are clipped.")
+    clip_high: float = Field(0.28, gt=0.0, description="Trust region: ratios above 1 + clip_high are clipped "
+                             "(DAPO's clip-higher; GSPO's sequence ratios want about 4e-4).")
     is_mode: Literal["tis", "mask"] = Field("tis", description="Truncated or masked importance sampling.")
     is_threshold: float = Field(2.0, ge=1.0, description="Truncation / mask threshold of pi/mu.")
     kl_coef: float = Field(0.0, ge=0.0, description="Weight of KL(pi || parent) per token; 0 disables it.")
@@ -261,7 +269,6 @@ class LearnerConfig(Config):
     excluded_tenants: list[str] = Field(
         default_factory=list, description="Tenants whose data never trains (still stored and reported)."
     )
-    auto_promote: bool = Field(False, description="Promote candidates that pass the offline check.")
     holdout_fraction: Fraction = Field(0.15, description="Share of samples kept out of training for the gate.")
     gate_margin: float = Field(0.05, ge=0.0, description="Candidate's lower bound may trail the parent by this.")
     gate_min_ess: float = Field(8.0, ge=0.0, description="Fewest effective held-out samples for a verdict.")
@@ -270,6 +277,43 @@ class LearnerConfig(Config):
     probe_tolerance: float = Field(
         1e-4, gt=0.0, description="Max |replica - trainer| logprob on the probe set after a swap."
     )
+
+
+class PromotionConfig(Config):
+    """The promotion controller (`policies/controller.py`) and its live canary guard."""
+
+    auto_promote: bool = Field(False, description="Take candidates that pass the offline check to canary, "
+                               "and canaries the guard finds non-inferior to stable.")
+    canary_guard: bool = Field(True, description="Judge a canary on live feedback against stable before it "
+                               "reaches every replica (needs two replicas); off: the offline gate alone.")
+    poll_s: float = Field(1.0, gt=0, description="How often the controller looks at the registry and the figures.")
+    false_abort_rate: float = Field(0.05, gt=0, lt=0.5, description="Level of the always-valid test: the chance "
+                                    "of ever calling a canary no worse than stable worse.")
+    mixture_sd: float = Field(0.1, gt=0, description="Spread of the mSPRT's normal mixture over the difference: "
+                              "about the smallest difference worth detecting quickly.")
+    margin: Fraction = Field(0.05, description="Non-inferiority margin on the accept rate: a canary whose "
+                             "interval is above -margin is promoted.")
+    reward_margin: float = Field(0.1, ge=0, description="Non-inferiority margin on the mean reward.")
+    min_samples: int = Field(50, ge=10, description="Judged completions per arm before any verdict.")
+    max_samples: int = Field(3000, ge=10, description="Canary completions after which an undecided canary "
+                             "is aborted as inconclusive.")
+    max_canary_s: float = Field(900.0, gt=0, description="Seconds after which an undecided canary is aborted "
+                                "as inconclusive (stable stays).")
+    judge_after_s: float | None = Field(None, ge=0, description="A completion counts once this long after it "
+                                        "was served (late feedback has arrived); None: the reward window.")
+    slide_lookback: int = Field(5, ge=1, description="Recent stable versions the slide guard compares stable "
+                                "with (retention keeps their weights).")
+    slide_margin: Fraction = Field(0.1, description="Stable is rolled back to the best recent stable when its "
+                                   "accept rate is surely more than this below that version's.")
+    slide_min_samples: int = Field(200, ge=10, description="Judged completions of each before the slide guard "
+                                   "compares two stables.")
+
+    @model_validator(mode="after")
+    def _samples(self):
+        if self.min_samples > self.max_samples:
+            raise ValueError(f"LIVERL_PROMOTION__MIN_SAMPLES ({self.min_samples}) must not exceed "
+                             f"LIVERL_PROMOTION__MAX_SAMPLES ({self.max_samples})")
+        return self
 
 
 class Settings(BaseSettings):
@@ -296,6 +340,7 @@ class Settings(BaseSettings):
     feedback: FeedbackConfig = Field(default_factory=FeedbackConfig, description="Reward join.")
     ingest: IngestConfig = Field(default_factory=IngestConfig, description="Ingest API limits.")
     learner: LearnerConfig = Field(default_factory=LearnerConfig, description="The learner.")
+    promotion: PromotionConfig = Field(default_factory=PromotionConfig, description="The promotion controller.")
     broker_cluster_id: str | None = Field(
         None, description="Set by `liverl up` per start; offsets are recorded with it."
     )
@@ -315,7 +360,7 @@ class Settings(BaseSettings):
         """Every listening port belongs to one component (replicas take base .. base+n-1)."""
         ports = self.ports
         claims = {f"LIVERL_PORTS__{name.upper()}": getattr(ports, name)
-                  for name in ("api", "gateway", "sink", "feedback", "learner")}
+                  for name in ("api", "gateway", "sink", "feedback", "learner", "controller")}
         if self.serving.listen == "tcp":
             claims |= {f"replica {i} (LIVERL_PORTS__REPLICA_BASE + {i})": ports.replica_base + i
                        for i in range(self.serving.replicas)}

@@ -1,7 +1,8 @@
 """The embedded stack: start every component, check it is healthy, stop it after draining.
 
 `up` starts the broker, the analytics sink (owner of chdb), the feedback stream, the
-ingest API, the vLLM replicas and the gateway, in that order, each as its own process
+ingest API, the vLLM replicas, the gateway, the learner and the promotion controller,
+in that order, each as its own process
 with its log in `run/`. If any of them cannot start, everything already started is
 stopped again and the error names the component and the fix.
 """
@@ -146,7 +147,7 @@ class Launcher:
 def check_ports(settings: Settings) -> None:
     ports = settings.ports
     wanted = {"ingest API": ports.api, "gateway": ports.gateway, "sink": ports.sink,
-              "feedback": ports.feedback}
+              "feedback": ports.feedback, "controller": ports.controller}
     if settings.serving.listen == "tcp":
         wanted.update({f"replica-{i}": ports.replica_base + i for i in range(settings.serving.replicas)})
     if isinstance(settings.broker, EmbeddedBroker):
@@ -236,6 +237,7 @@ def up(settings: Settings, say: Callable[[str], None] = print, progress: bool = 
         launcher.python("gateway", "serving.gateway", settings.ports.gateway)
         if settings.learner.enabled:
             launcher.python("learner", "learner.service", settings.ports.learner)
+        launcher.python("controller", "policies.controller", settings.ports.controller)
     except (StackError, ReplicaError, OSError) as error:
         stop_all(settings, launcher.started)
         raise StackError(str(error)) from None

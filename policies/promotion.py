@@ -1,22 +1,20 @@
-"""Promotion: candidate -> canary (one replica, verified) -> stable (every replica).
+"""Promotion mechanics: candidate -> canary (one replica, verified) -> stable (every
+replica), abort, and rollback. Every change is recorded in the registry with actor and
+reason, and announced to ClickHouse's `policy_versions`.
 
-Automatic in demo mode (`learner.auto_promote`) for candidates that pass the offline
-gate; manual in production (`liverl policy promote`). Every change is recorded in the
-registry with actor and reason, and announced to ClickHouse's `policy_versions`.
+Who decides is elsewhere: the promotion controller (`policies/controller.py`) for
+automatic promotion with its live canary guard, on-call through `liverl policy`.
 """
 
 from __future__ import annotations
 
-import queue
-import threading
-import time
 from pathlib import Path
 
 from liverl.contracts import PolicyVersionEvent, Topics
 from liverl.kafka import encode, produce_sync
 from liverl.observability import log, setup_logging
 from liverl.settings import Settings
-from policies.registry import PolicyVersion, Registry
+from policies.registry import PolicyVersion, Registry, State
 
 logger = setup_logging("promotion")
 
@@ -25,10 +23,6 @@ class Promoter:
     def __init__(self, settings: Settings, registry: Registry):
         self.settings = settings
         self.registry = registry
-        self._offers: queue.Queue[PolicyVersion | None] = queue.Queue()
-        self._thread: threading.Thread | None = None
-        self.busy = threading.Event()
-        self.last_error: str | None = None  # the last promotion that failed unexpectedly, for /health
 
     def announce(self, version: PolicyVersion) -> None:
         event = PolicyVersionEvent(
@@ -40,102 +34,91 @@ class Promoter:
         except Exception as error:  # analytics must not block a promotion
             log(logger, "could not announce version", version=version.version, error=repr(error))
 
-    def transition(self, version: str, state: str, actor: str, reason: str) -> PolicyVersion:
+    def transition(self, version: str, state: State, actor: str, reason: str) -> PolicyVersion:
         updated = self.registry.transition(version, state, actor, reason)
         self.announce(updated)
         return updated
 
-    def promote(self, version: str, actor: str) -> PolicyVersion:
-        """Canary then stable; a replica that fails verification rolls the version back."""
-        from serving.swap import roll_out
-
-        target = self.registry.get(version)
-        if not Path(target.model_dir).exists():
+    def weights(self, version: str) -> Path:
+        model_dir = Path(self.registry.get(version).model_dir)
+        if not model_dir.exists():
             raise ValueError(f"{version}'s weights were removed by retention (sync.keep_versions); "
                              "promote a newer version")
+        return model_dir
+
+    def start_canary(self, version: str, actor: str, reason: str) -> PolicyVersion:
+        """The version on one replica (verified), beside stable on the others. A replica
+        that fails verification is back on its old weights and the version rolled back."""
+        from serving.swap import replace_replica
+        from serving.replicas import read_pool
+
+        model_dir = self.weights(version)
+        self.transition(version, "canary", actor, reason)
+        replica = next((r for r in read_pool(self.settings).replicas if r.policy_version != version), None)
+        if replica is None:  # every replica serves it already (a restart mid-promotion)
+            return self.registry.get(version)
+        report = replace_replica(self.settings, replica.name, version, model_dir)
+        self.registry.update_metrics(version, swaps=[report.model_dump()])
+        if not report.ok:
+            return self.transition(version, "rolled_back", actor, f"{report.replica}: {report.error}")
+        return self.registry.get(version)
+
+    def finish(self, version: str, actor: str, reason: str) -> PolicyVersion:
+        """From canary to every replica; the previous stable is superseded."""
+        from serving.swap import roll_out
+
         previous = self.registry.stable()
-        self.transition(version, "canary", actor, "offline gate passed; rolling out canary first")
-        reports = roll_out(self.settings, version, Path(target.model_dir))
-        self.registry.update_metrics(version, swaps=[r.model_dump() for r in reports])
-        failed = [r for r in reports if not r.ok]
-        if failed:
-            self.transition(version, "rolled_back", actor, f"{failed[0].replica}: {failed[0].error}")
-            if previous:  # replicas already moved go back to the last stable version
-                roll_out(self.settings, previous.version, Path(previous.model_dir))
+        reports = roll_out(self.settings, version, self.weights(version))
+        swaps = self.registry.get(version).metrics.get("swaps", [])
+        self.registry.update_metrics(version, swaps=swaps + [r.model_dump() for r in reports])
+        if failed := [r for r in reports if not r.ok]:
+            self.abort(version, actor, f"{failed[0].replica}: {failed[0].error}", state="rolled_back")
             return self.registry.get(version)
         if previous and previous.version != version:
             self.transition(previous.version, "superseded", actor, f"replaced by {version}")
-        return self.transition(version, "stable", actor, "every replica verified")
+        return self.transition(version, "stable", actor, reason)
 
-    def rollback(self, actor: str, reason: str) -> PolicyVersion:
-        """Take the stable version out: the version stable before it serves again."""
+    def promote(self, version: str, actor: str, reason: str = "offline gate passed") -> PolicyVersion:
+        """Canary then stable, without waiting for live feedback in between."""
+        canary = self.start_canary(version, actor, f"{reason}; rolling out canary first")
+        if canary.state != "canary":
+            return canary
+        return self.finish(version, actor, "every replica verified")
+
+    def abort(self, version: str, actor: str, reason: str, state: State = "aborted") -> PolicyVersion:
+        """Every replica serving `version` goes back to stable (verified); the version
+        leaves canary for `state`. Aborted for its quality, the learner is asked to
+        continue from stable rather than from it (a failed swap says nothing about that)."""
+        from serving.swap import roll_out
+
+        stable = self.registry.stable()
+        if stable:
+            failed = [r for r in roll_out(self.settings, stable.version, self.weights(stable.version)) if not r.ok]
+            if failed:
+                log(logger, "could not put stable back", version=stable.version, error=failed[0].error)
+        aborted = self.transition(version, state, actor, reason)
+        if stable and state == "aborted":
+            self.registry.request_rewind(stable.version, actor, f"{version} aborted: {reason}")
+        return aborted
+
+    def rollback(self, actor: str, reason: str, to: str | None = None) -> PolicyVersion:
+        """Take the stable version out: `to` (default: the version stable before it)
+        serves again on every replica, verified, and the learner continues from it."""
         from serving.swap import roll_out
 
         current = self.registry.stable()
         if current is None:
             raise KeyError("no stable version to roll back")
-        earlier = [e["version"] for e in self.registry.history()
-                   if e["to"] == "stable" and e["version"] != current.version]
-        if not earlier:
-            raise KeyError(f"{current.version} is the first stable version; nothing to roll back to")
-        target = self.registry.get(earlier[-1])
-        failed = [r for r in roll_out(self.settings, target.version, Path(target.model_dir)) if not r.ok]
+        if to is None:
+            earlier = [e["version"] for e in self.registry.history()
+                       if e["to"] == "stable" and e["version"] != current.version]
+            if not earlier:
+                raise KeyError(f"{current.version} is the first stable version; nothing to roll back to")
+            to = earlier[-1]
+        failed = [r for r in roll_out(self.settings, to, self.weights(to)) if not r.ok]
         if failed:
-            raise RuntimeError(f"rollback to {target.version} failed on {failed[0].replica}: {failed[0].error}")
+            raise RuntimeError(f"rollback to {to} failed on {failed[0].replica}: {failed[0].error}")
         self.transition(current.version, "rolled_back", actor, reason)
-        return self.transition(target.version, "stable", actor, f"rollback from {current.version}: {reason}")
-
-    # --- automatic promotion, in the background ------------------------------------------
-    def offer(self, version: PolicyVersion) -> None:
-        self.announce(version)
-        if not self.settings.learner.auto_promote:
-            return
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="promoter", daemon=True)
-            self._thread.start()
-        self._offers.put(version)
-
-    def stop(self) -> None:
-        if self._thread is not None:
-            self._offers.put(None)
-
-    def _run(self) -> None:
-        while (offer := self._offers.get()) is not None:
-            while not self._offers.empty():  # only the newest candidate is worth a swap
-                newer = self._offers.get()
-                if newer is None:
-                    return
-                self.transition(offer.version, "superseded", "promoter", f"{newer.version} is newer")
-                offer = newer
-            gate = offer.metrics.get("gate")
-            if not gate or not gate["passed"]:
-                reason = gate["reason"] if gate else "no held-out samples yet"
-                log(logger, "candidate waits", version=offer.version, reason=reason)
-                continue
-            started = time.time()
-            self.busy.set()
-            try:
-                result = self.promote(offer.version, "promoter")
-            except Exception as error:  # the promoter survives any one version, and says why
-                self.fail(offer.version, f"{type(error).__name__}: {error}")
-                continue
-            finally:
-                self.busy.clear()
-            log(logger, "promotion finished", version=offer.version, state=result.state,
-                seconds=round(time.time() - started, 1))
-
-    def fail(self, version: str, error: str) -> None:
-        """A promotion that raised: recorded on the version, which leaves canary, and
-        every replica goes back to the stable version."""
-        from serving.swap import roll_out
-
-        self.last_error = f"{version}: {error}"
-        log(logger, "promotion failed", version=version, error=error)
-        try:
-            self.registry.update_metrics(version, promotion_error=error)
-            if self.registry.get(version).state == "canary":
-                self.transition(version, "rolled_back", "promoter", f"promotion failed: {error}")
-            if stable := self.registry.stable():
-                roll_out(self.settings, stable.version, Path(stable.model_dir))
-        except Exception as again:
-            log(logger, "could not restore after a failed promotion", version=version, error=repr(again))
+        restored = self.transition(to, "stable", actor, f"rollback from {current.version}: {reason}")
+        self.registry.request_rewind(to, actor, f"rollback from {current.version}: {reason}")
+        return restored

@@ -23,7 +23,10 @@ from typing import Iterator, Literal
 
 from pydantic import BaseModel, Field
 
-State = Literal["candidate", "canary", "stable", "rolled_back", "rejected", "superseded"]
+State = Literal["candidate", "canary", "stable", "rolled_back", "rejected", "superseded", "aborted"]
+# A version in one of these states was taken off users for its quality: whatever the
+# learner trained on top of it continues a rejected chain.
+REJECTED = ("aborted", "rolled_back")
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS versions (
@@ -33,6 +36,10 @@ CREATE TABLE IF NOT EXISTS versions (
 CREATE TABLE IF NOT EXISTS events (
     id INTEGER PRIMARY KEY AUTOINCREMENT, version TEXT, at REAL, from_state TEXT,
     to_state TEXT, actor TEXT, reason TEXT
+);
+CREATE TABLE IF NOT EXISTS rewinds (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, version TEXT, at REAL, after_seq INTEGER,
+    actor TEXT, reason TEXT
 );
 CREATE TABLE IF NOT EXISTS trained_samples (sample_id TEXT PRIMARY KEY, version TEXT);
 CREATE TABLE IF NOT EXISTS offsets (
@@ -51,6 +58,17 @@ class SampleWindow(BaseModel):
     dropped_stale: int = 0
     dropped_consent: int = 0
     per_version: dict[str, int] = Field(default_factory=dict, description="Samples by behaviour version.")
+
+
+class Rewind(BaseModel):
+    """The learner is to continue from `version`, dropping what it trained after it."""
+
+    id: int
+    version: str
+    at: float
+    after_seq: int = Field(description="The newest version's seq when the rewind was asked.")
+    actor: str
+    reason: str
 
 
 class PolicyVersion(BaseModel):
@@ -125,6 +143,34 @@ class Registry:
             "SELECT * FROM versions WHERE state = 'stable' ORDER BY seq DESC LIMIT 1").fetchone()
         return self._row(row) if row else None
 
+    def in_state(self, state: State) -> list[PolicyVersion]:
+        return [self._row(r) for r in self.db.execute(
+            "SELECT * FROM versions WHERE state = ? ORDER BY seq", (state,))]
+
+    def continues_rejected(self, version: str) -> str | None:
+        """The aborted or rolled-back version that `version` was trained on top of (itself
+        included), or None: its lineage back to the stable version is clean."""
+        stable = self.stable()
+        current: str | None = version
+        while current is not None and (stable is None or current != stable.version):
+            record = self.get(current)
+            if record.state in REJECTED:
+                return current
+            current = record.parent
+        return None
+
+    def last_rewind(self) -> Rewind | None:
+        row = self.db.execute("SELECT * FROM rewinds ORDER BY id DESC LIMIT 1").fetchone()
+        return Rewind(**dict(zip(Rewind.model_fields, row))) if row else None
+
+    def head(self) -> PolicyVersion | None:
+        """The version the learner continues from: the newest, unless it was trained
+        before the last rewind (its metrics name the rewinds its learner had applied)."""
+        latest, rewind = self.latest(), self.last_rewind()
+        if rewind is not None and latest is not None and latest.metrics.get("after_rewind", 0) < rewind.id:
+            return self.get(rewind.version)
+        return latest
+
     def history(self, version: str | None = None) -> list[dict]:
         query = "SELECT version, at, from_state, to_state, actor, reason FROM events"
         rows = self.db.execute(query + (" WHERE version = ?" if version else "") + " ORDER BY id",
@@ -196,6 +242,15 @@ class Registry:
             db.execute("INSERT INTO events (version, at, from_state, to_state, actor, reason) "
                        "VALUES (?,?,?,?,?,?)", (version, time.time(), current[0], to_state, actor, reason))
         return self.get(version)
+
+    def request_rewind(self, version: str, actor: str, reason: str) -> Rewind:
+        """Ask the learner to continue from `version` (a stable one it can rebuild)."""
+        self.get(version)
+        with self.transaction() as db:
+            latest = db.execute("SELECT max(seq) FROM versions").fetchone()[0]
+            db.execute("INSERT INTO rewinds (version, at, after_seq, actor, reason) VALUES (?,?,?,?,?)",
+                       (version, time.time(), latest, actor, reason))
+        return self.last_rewind()
 
     def drop_weights(self, version: str, reason: str) -> None:
         """Delete a version's weights directory; its record, lineage and history stay."""

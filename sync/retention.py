@@ -3,7 +3,7 @@ newest versions and whatever is still needed.
 
 Kept: the `keep_versions` newest versions; every version a replica holds, is staging
 or keeps for rollback; the registry's aliases (stable, canary) and the rollback
-target (the stable version before the current one). For each kept version the store
+targets (the last `promotion.slide_lookback` stable versions before the current one). For each kept version the store
 keeps what rebuilds it: the nearest snapshot on its lineage and the deltas after it,
 and the deltas from any version a replica holds, so that replica still takes the
 short chain. Everything else goes: records first, so no reader plans with an object
@@ -49,7 +49,8 @@ def needs(settings: Settings, registry: Registry) -> Needs:
     aliases = {v.version for v in registry.versions() if v.state in ("stable", "canary")}
     stables = [e["version"] for e in registry.history() if e["to"] == "stable"]
     current = registry.stable()
-    rollback = [v for v in stables if current is None or v != current.version][-1:]
+    # The slide guard may put back any of the last few stables (promotion.slide_lookback).
+    rollback = [v for v in stables if current is None or v != current.version][-settings.promotion.slide_lookback:]
     return Needs(protected=held | pending | aliases | set(rollback), held=held)
 
 

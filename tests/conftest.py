@@ -14,6 +14,7 @@ from liverl.settings import (
     FeedbackConfig,
     LearnerConfig,
     PortsConfig,
+    PromotionConfig,
     ServingConfig,
     Settings,
     StarterPolicyConfig,
@@ -36,7 +37,8 @@ def settings(tmp_path_factory: pytest.TempPathFactory, starter_dir: Path) -> Set
     return Settings(
         data_dir=tmp_path_factory.mktemp("liverl"),
         ports=PortsConfig(api=28080 + offset, gateway=28000 + offset, sink=28090 + offset,
-                          feedback=28070 + offset, learner=28060 + offset, replica_base=28100 + offset),
+                          feedback=28070 + offset, learner=28060 + offset, controller=28050 + offset,
+                          replica_base=28100 + offset),
         broker=EmbeddedBroker(port=29092 + offset),
         starter=StarterPolicyConfig(model_dir=starter_dir),
         # Two replicas: swaps roll out canary first, and one serves while the other swaps.
@@ -44,7 +46,10 @@ def settings(tmp_path_factory: pytest.TempPathFactory, starter_dir: Path) -> Set
         stream_cpus=[0],  # every machine has a CPU 0
         feedback=FeedbackConfig(reward_window_s=6.0, sweep_interval_s=1.0, max_feedback_per_completion=4),
         learner=LearnerConfig(batch_samples=32, min_samples=1, max_version_lag=3, lr=3e-4,
-                              auto_promote=True, gate_min_ess=1.0, gate_margin=1.0),
+                              gate_min_ess=1.0, gate_margin=1.0),
+        # Every candidate is promoted on the offline gate alone, so tests own the pace;
+        # the live canary guard has its own test (it restarts the controller with it on).
+        promotion=PromotionConfig(auto_promote=True, canary_guard=False),
     )
 
 

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import httpx
 
 from liverl.keys import admin_headers
+from liverl.process import spawn, stop_pid
 from liverl.settings import Settings
+from liverl.stack import child_env, read_manifest
 
 
 def sql(settings: Settings, query: str) -> list[dict]:
@@ -30,3 +34,15 @@ def wait_for(predicate: Callable[[], object], timeout: float = 30.0, interval: f
 
 def item(event_id: str, body: dict, type: str = "feedback") -> dict:
     return {"id": event_id, "type": type, "timestamp": "2026-11-22T12:00:00Z", "body": body}
+
+
+def restart_component(settings: Settings, name: str, module: str, env: dict[str, str]) -> int:
+    """Stop one of the stack's components and start it again with `env` added to its
+    environment (a fault to inject, a setting to change); the manifest follows."""
+    manifest = read_manifest(settings)
+    component = next(c for c in manifest.components if c.name == name)
+    stop_pid(component.pid)
+    process = spawn([sys.executable, "-m", module], dict(child_env(settings), **env), Path(component.log))
+    component.pid = process.pid
+    (settings.run_dir / "stack.json").write_text(manifest.model_dump_json(indent=2))
+    return process.pid

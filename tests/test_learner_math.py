@@ -10,11 +10,14 @@ from learner import router_replay
 from learner.rl import (
     RunningBaseline,
     advantage_stats,
+    cispo_surrogate,
+    clipped_surrogate,
     group_advantages,
     importance_weights,
     kl_to_reference,
     policy_gradient_loss,
     policy_shift,
+    sequence_ratio,
     version_minibatches,
 )
 from policies.offline_eval import offline_check, snis
@@ -124,3 +127,55 @@ def test_offline_gate_needs_evidence():
     assert not offline_check(snis(torch.zeros(3), rewards[:3]), same, margin=0.0, min_ess=5).passed
     worse = snis(torch.where(rewards > 0, -0.6, 0.6), rewards)
     assert not offline_check(worse, same, margin=0.0, min_ess=5).passed
+
+
+def test_clipped_surrogate_by_hand():
+    # r = 1.5 with A = +1 is clipped to 1.28 (clip-higher); r = 0.5 with A = -1 to 0.8;
+    # inside the range, or where clipping would only help, r A stays.
+    ratio = torch.tensor([1.5, 0.5, 1.1, 0.5])
+    advantages = torch.tensor([1.0, -1.0, 1.0, 1.0])
+    got = clipped_surrogate(ratio, advantages, clip_low=0.2, clip_high=0.28)
+    assert torch.allclose(got, torch.tensor([1.28, -0.8, 1.1, 0.5]))
+
+
+def test_sequence_ratio_is_the_geometric_mean_over_completion_tokens():
+    logp = torch.log(torch.tensor([[0.4, 0.9, 0.3]]))
+    proximal = torch.log(torch.tensor([[0.2, 0.3, 0.5]]))
+    mask = torch.tensor([[1.0, 1.0, 0.0]])  # the third position is padding
+    expected = (0.4 / 0.2 * 0.9 / 0.3) ** 0.5  # sqrt(2 * 3)
+    assert torch.allclose(sequence_ratio(logp, proximal, mask), torch.full((1, 3), expected))
+
+
+def test_cispo_weight_is_clipped_and_constant():
+    logp = torch.log(torch.tensor([0.6, 0.1])).requires_grad_()
+    ratio = torch.exp(logp - torch.log(torch.tensor([0.3, 0.4])))  # 2.0 and 0.25
+    cispo_surrogate(ratio, torch.tensor([1.0, 1.0]), logp, 0.2, 0.28).sum().backward()
+    # d/dlogp of sg(clip(r)) * A * logp is clip(r) * A: 1.28 and 0.8, never 0
+    assert torch.allclose(logp.grad, torch.tensor([1.28, 0.8]))
+
+
+def test_decoupled_objectives_bound_the_step_around_the_proximal_policy():
+    """At pi = pi_prox the token-level objectives are REINFORCE weighted by pi_prox/mu; once pi has moved
+    past the clip in the advantage's direction, PPO and GSPO give no gradient."""
+    behaviour = torch.log(torch.tensor([[0.25, 0.5]]))
+    proximal = torch.log(torch.tensor([[0.5, 0.5]]))  # pi_prox/mu = 2 on the first token
+    mask, advantages = torch.ones(1, 2), torch.tensor([1.0])
+    # -w_t A / #tokens per token; GSPO's one ratio per sequence spreads the sum evenly
+    expected = {"ppo": [-1.0, -0.5], "cispo": [-1.0, -0.5], "gspo": [-0.75, -0.75]}
+    for objective, gradient in expected.items():
+        logp = proximal.clone().requires_grad_()
+        loss, stats = policy_gradient_loss(logp, behaviour, advantages, mask, objective=objective,
+                                           proximal_logp=proximal, is_threshold=2.0)
+        loss.backward()
+        assert torch.allclose(logp.grad, torch.tensor([gradient])), objective
+        assert stats["mean_is_weight"] == pytest.approx(1.5) and stats["clipped_fraction"] == 0.0
+    for objective in ("ppo", "gspo"):
+        logp = (proximal + 0.5).requires_grad_()  # r = e^0.5 = 1.65 > 1.28 on both tokens
+        loss, stats = policy_gradient_loss(logp, behaviour, advantages, mask, objective=objective,
+                                           proximal_logp=proximal)
+        loss.backward()
+        assert torch.count_nonzero(logp.grad) == 0 and stats["clipped_fraction"] == 1.0, objective
+    with pytest.raises(ValueError, match="proximal"):
+        policy_gradient_loss(proximal, behaviour, advantages, mask, objective="ppo")
+    with pytest.raises(ValueError, match="objective"):
+        policy_gradient_loss(proximal, behaviour, advantages, mask, objective="trpo")

@@ -1,10 +1,11 @@
 """Every swap failure reverts and is recorded; the probe checks every token and NaN fails
-it; a promotion that raises leaves the promoter running and says why."""
+it; a promotion that raises leaves the promotion controller running and says why."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import threading
 import time
 
 import httpx
@@ -13,8 +14,8 @@ from test_learning_plane import paused_learner  # noqa: F401 (a fixture)
 
 import serving.swap
 from learner.trainer import PROBE_FILE
-from liverl.settings import LearnerConfig, Settings
-from policies.promotion import Promoter
+from liverl.settings import PromotionConfig, Settings
+from policies.controller import Controller
 from policies.registry import Registry
 from serving.replicas import read_pool
 from serving.swap import VerificationFailed, swap_in_place, verify
@@ -65,8 +66,9 @@ def test_a_swap_that_fails_in_any_way_reverts_and_says_why(settings, paused_lear
                       json={"prompt": "x = ", "max_tokens": 2}).status_code == 200
 
 
-def test_the_promoter_survives_a_promotion_that_raises(tmp_path, starter_dir):
-    settings = Settings(data_dir=tmp_path, learner=LearnerConfig(auto_promote=True))
+def test_the_controller_survives_a_promotion_that_raises(tmp_path, starter_dir):
+    settings = Settings(data_dir=tmp_path, promotion=PromotionConfig(auto_promote=True, canary_guard=False,
+                                                                     poll_s=0.1))
     registry = Registry(settings.policies_dir)
     staged = tmp_path / "staged"
     shutil.copytree(starter_dir, staged)
@@ -75,15 +77,19 @@ def test_the_promoter_survives_a_promotion_that_raises(tmp_path, starter_dir):
     doomed = registry.publish(_copy(starter_dir, tmp_path / "a"), parent=v0.version, window=None,
                               metrics=passed, sample_ids=[], actor="test")
     shutil.rmtree(doomed.model_dir)  # retention took its weights: promote() raises
-    promoter = Promoter(settings, registry)
-    promoter.offer(registry.get(doomed.version))
+    controller = Controller(settings)
+    stop = threading.Event()
+    thread = threading.Thread(target=controller.run, args=(stop,), daemon=True)
+    thread.start()
     deadline = time.time() + 30
-    while promoter.last_error is None and time.time() < deadline:
+    while controller.last_error is None and time.time() < deadline:
         time.sleep(0.1)
-    assert promoter.last_error and doomed.version in promoter.last_error
+    assert controller.last_error and doomed.version in controller.last_error
     assert "retention" in registry.get(doomed.version).metrics["promotion_error"]
-    assert promoter._thread.is_alive()  # and it takes the next candidate
-    promoter.stop()
+    assert registry.get(doomed.version).state == "rejected"  # not tried again and again
+    assert thread.is_alive()  # and it takes the next candidate
+    stop.set()
+    thread.join(timeout=10)
 
 
 def _copy(source, target):

@@ -1,0 +1,280 @@
+"""The promotion controller: candidates to canary, canaries to stable or aborted, and a
+guard on stable itself. A process of its own (`liverl up` starts it), so the learner
+never waits for a canary and a learner restart never interrupts one.
+
+- The newest candidate that passed the offline gate (and was not trained on top of a
+  version taken off users) goes to one replica: the canary, beside stable on the others.
+- The canary guard judges it on live feedback (`policies/sequential.py`): the judged
+  production completions canary and stable served since the canary started, compared
+  on accept rate and mean reward with an always-valid test, so looking every second is
+  sound. Clearly worse on either: `aborted`, its replica back on stable, and the learner
+  asked to rewind to stable. Non-inferior within the margins on both: stable on every
+  replica. Neither by `max_samples` or `max_canary_s`: aborted as inconclusive.
+- The slide guard: small steps can add up to a decline no single comparison calls
+  significant. Stable's served accept rate is compared with that of each of the last
+  `slide_lookback` stables over their own time as stable; when it is surely more than
+  `slide_margin` below the best, that version is put back and the learner rewinds to it.
+
+Killed at any line, a restart finds the canary in the registry (its start time is in
+its metrics) and judges it again from ClickHouse's figures, not from memory.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import httpx
+import uvicorn
+from fastapi import FastAPI
+
+from liverl.keys import admin_headers
+from liverl.observability import log, mount_metrics, setup_logging
+from liverl.settings import Settings, get_settings
+from policies.promotion import Promoter
+from policies.registry import PolicyVersion, Registry
+from policies.sequential import Arm, Comparison, compare, confidence_sequence
+from serving.replicas import read_pool
+
+ACTOR = "controller"
+logger = setup_logging("controller")
+
+
+class Figures:
+    """Per version, the arms of the comparison: judged completions (accept rate) and
+    rewarded ones (mean reward), summed over tenants, from the sink's `/figures`."""
+
+    def __init__(self, rows: list[dict]):
+        self.accept: dict[str, Arm] = {}
+        self.reward: dict[str, Arm] = {}
+        for row in rows:
+            v = row["policy_version"]
+            a, r = self.accept.setdefault(v, Arm()), self.reward.setdefault(v, Arm())
+            a.n, a.total, a.squares = a.n + row["judged"], a.total + row["accepted"], a.squares + row["accepted"]
+            r.n, r.total, r.squares = r.n + row["samples"], r.total + row["reward_sum"], r.squares + row["reward_squares"]
+
+
+def utc(t: float) -> str:
+    return datetime.fromtimestamp(t, timezone.utc).isoformat()
+
+
+class Controller:
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.config = settings.promotion
+        self.registry = Registry(settings.policies_dir)
+        self.promoter = Promoter(settings, self.registry)
+        self.state = "starting"  # what it is doing, for /health
+        self.last_error: str | None = None
+        self.waiting: str | None = None  # the candidate that waits, logged once
+        self.next_slide_check = 0.0
+
+    @property
+    def judge_after_s(self) -> float:
+        after = self.config.judge_after_s
+        return self.settings.feedback.reward_window_s if after is None else after
+
+    def figures(self, versions: list[str], since: float, until: float) -> Figures:
+        response = httpx.post(self.settings.url(self.settings.ports.sink) + "/figures", timeout=30,
+                              headers=admin_headers(self.settings),
+                              json={"versions": versions, "since": utc(since), "until": utc(until)})
+        response.raise_for_status()
+        return Figures(response.json())
+
+    # --- one look ----------------------------------------------------------------------------
+    def step(self) -> None:
+        if canaries := self.registry.in_state("canary"):
+            for older in canaries[:-1]:  # one canary at a time; a crash may have left two
+                self.promoter.abort(older.version, ACTOR, f"{canaries[-1].version} is the canary")
+            return self.judge(canaries[-1])
+        if self.config.canary_guard and time.time() >= self.next_slide_check:
+            self.next_slide_check = time.time() + 10 * self.config.poll_s
+            self.guard_slide()
+        if self.config.auto_promote:
+            self.take_candidate()
+        else:
+            self.state = "idle (auto_promote off)"
+
+    def take_candidate(self) -> None:
+        stable = self.registry.stable()
+        eligible = []
+        for candidate in self.registry.in_state("candidate"):
+            if bad := self.registry.continues_rejected(candidate.version):
+                self.promoter.transition(candidate.version, "rejected", ACTOR,
+                                         f"trained on top of {bad}, which was taken off users")
+            elif stable is None or candidate.seq > stable.seq:
+                eligible.append(candidate)
+        if not eligible:
+            self.state = "idle"
+            return
+        newest = eligible[-1]
+        for older in eligible[:-1]:  # only the newest candidate is worth a canary
+            self.promoter.transition(older.version, "superseded", ACTOR, f"{newest.version} is newer")
+        gate = newest.metrics.get("gate")
+        if not gate or not gate["passed"]:
+            if self.waiting != newest.version:
+                self.waiting = newest.version
+                log(logger, "candidate waits", version=newest.version,
+                    reason=gate["reason"] if gate else "no held-out samples yet")
+            self.state = f"{newest.version} waits for the offline gate"
+            return
+        if self.config.canary_guard and len(read_pool(self.settings).replicas) < 2:
+            self.state = ("refusing canaries: the live guard compares a canary with stable on a second "
+                          "replica (serving.replicas >= 2, or promotion.canary_guard=false)")
+            return
+        try:
+            if not self.config.canary_guard:
+                self.state = f"promoting {newest.version}"
+                result = self.promoter.promote(newest.version, ACTOR)
+                log(logger, "promotion finished", version=newest.version, state=result.state)
+                return
+            self.state = f"starting canary {newest.version}"
+            canary = self.promoter.start_canary(newest.version, ACTOR, "offline gate passed; judged live against stable")
+        except Exception as error:
+            return self.fail(newest.version, f"{type(error).__name__}: {error}")
+        if canary.state == "canary":
+            self.registry.update_metrics(newest.version, canary={"started_at": time.time(), "stable": stable.version})
+            log(logger, "canary started", version=newest.version, stable=stable.version)
+
+    def fail(self, version: str, error: str) -> None:
+        """A promotion that raised: recorded on the version, which is taken out of the
+        running (rolled back from canary, rejected as a candidate), and every replica goes
+        back to stable. The controller carries on with the next candidate."""
+        self.last_error = f"{version}: {error}"[:500]
+        log(logger, "promotion failed", version=version, error=error)
+        self.registry.update_metrics(version, promotion_error=error)
+        if self.registry.get(version).state == "canary":
+            self.promoter.abort(version, ACTOR, f"promotion failed: {error}", state="rolled_back")
+        elif self.registry.get(version).state == "candidate":
+            self.promoter.transition(version, "rejected", ACTOR, f"promotion failed: {error}")
+
+    def judge(self, canary: PolicyVersion) -> None:
+        stable = self.registry.stable()
+        info = canary.metrics.get("canary") or {}
+        if "started_at" not in info or stable is None:  # put in canary by hand, or killed before the record
+            info = {"started_at": time.time(), "stable": stable.version if stable else None}
+            self.registry.update_metrics(canary.version, canary=info)
+        if not self.config.canary_guard:
+            try:
+                self.promoter.finish(canary.version, ACTOR, "every replica verified")
+            except Exception as error:
+                self.fail(canary.version, f"{type(error).__name__}: {error}")
+            return
+        now = time.time()
+        self.state = f"judging canary {canary.version} against {stable.version}"
+        figures = self.figures([canary.version, stable.version], info["started_at"], now - self.judge_after_s)
+        comparisons = self.compare(figures, stable.version, canary.version)
+        age = now - info["started_at"]
+        verdict = "continue"
+        if any(c.decision == "worse" for c in comparisons):
+            verdict = "worse"
+        elif comparisons and all(c.decision == "non_inferior" for c in comparisons):
+            verdict = "non_inferior"
+        elif age > self.config.max_canary_s or max((c.canary_n for c in comparisons), default=0) >= self.config.max_samples:
+            verdict = "inconclusive"
+        info = dict(info, verdict=verdict, seconds=round(age, 1), comparisons=[c.model_dump() for c in comparisons])
+        self.registry.update_metrics(canary.version, canary=info)
+        if verdict == "continue":
+            return
+        log(logger, "canary verdict", version=canary.version, verdict=verdict, seconds=round(age, 1),
+            **{c.metric: f"{c.canary_mean:.3f} vs {c.stable_mean:.3f} [{c.low:+.3f}, {c.high:+.3f}]"
+               for c in comparisons})
+        figures_text = "; ".join(f"{c.metric} {c.canary_mean:.3f} vs {c.stable_mean:.3f} "
+                                 f"(n {c.canary_n}/{c.stable_n}, difference in [{c.low:+.3f}, {c.high:+.3f}])"
+                                 for c in comparisons)
+        if verdict == "non_inferior":
+            self.promoter.finish(canary.version, ACTOR, f"canary non-inferior to {stable.version}: {figures_text}")
+            return
+        why = "clearly worse than" if verdict == "worse" else "not shown non-inferior to"
+        reason = f"canary {why} {stable.version} after {age:.0f} s: {figures_text}"
+        self.promoter.abort(canary.version, ACTOR, reason)
+
+    def compare(self, figures: Figures, stable: str, canary: str) -> list[Comparison]:
+        """Accept rate where there are accept-like verdicts, and mean reward; the level is
+        split between them (Bonferroni), so the guard's false-abort rate stays its own."""
+        c = self.config
+        metrics = [("reward", figures.reward, c.reward_margin)]
+        if figures.accept.get(stable, Arm()).n or figures.accept.get(canary, Arm()).n:
+            metrics.insert(0, ("accept_rate", figures.accept, c.margin))
+        return [compare(name, arms.get(stable, Arm()), arms.get(canary, Arm()), alpha=c.false_abort_rate / len(metrics),
+                        tau=c.mixture_sd, margin=margin, min_samples=c.min_samples)
+                for name, arms, margin in metrics]
+
+    # --- the slide guard -----------------------------------------------------------------------
+    def stable_periods(self) -> list[tuple[str, float, float]]:
+        """(version, from, to) for each time a version was stable, oldest first."""
+        periods: list[tuple[str, float, float]] = []
+        open_: dict[str, float] = {}
+        for event in self.registry.history():
+            if event["to"] == "stable":
+                open_[event["version"]] = event["at"]
+            elif event["from"] == "stable" and event["version"] in open_:
+                periods.append((event["version"], open_.pop(event["version"]), event["at"]))
+        periods += [(v, t, time.time()) for v, t in open_.items()]
+        return sorted(periods, key=lambda p: p[1])
+
+    def guard_slide(self) -> None:
+        stable = self.registry.stable()
+        periods = self.stable_periods()
+        if stable is None or not periods or periods[-1][0] != stable.version:
+            return
+        judged_until = time.time() - self.judge_after_s
+        current = self.figures([stable.version], periods[-1][1], judged_until).accept.get(stable.version, Arm())
+        if current.n < self.config.slide_min_samples:
+            return
+        best: tuple[str, Arm] | None = None
+        for version, since, until in periods[-1 - self.config.slide_lookback:-1]:
+            if version == stable.version or not Path(self.registry.get(version).model_dir).exists():
+                continue
+            arm = self.figures([version], since, min(until, judged_until)).accept.get(version, Arm())
+            if arm.n >= self.config.slide_min_samples and (best is None or arm.mean > best[1].mean):
+                best = (version, arm)
+        if best is None:
+            return
+        _, low, high = confidence_sequence(best[1], current, self.config.false_abort_rate, self.config.mixture_sd)
+        if high >= -self.config.slide_margin:
+            return
+        reason = (f"slide: {stable.version} accepted {current.mean:.3f} (n {current.n}) against "
+                  f"{best[0]}'s {best[1].mean:.3f} (n {best[1].n}); difference in [{low:+.3f}, {high:+.3f}], "
+                  f"surely more than {self.config.slide_margin} below")
+        log(logger, "rolling back a slide", version=stable.version, to=best[0], reason=reason)
+        self.state = f"rolling back {stable.version} to {best[0]}"
+        self.promoter.rollback(ACTOR, reason, to=best[0])
+
+    def run(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            try:
+                self.step()
+            except Exception as error:  # the controller survives any one look, and says why
+                self.last_error = f"{type(error).__name__}: {error}"[:500]
+                log(logger, "controller step failed", error=self.last_error)
+            stop.wait(self.config.poll_s)
+
+
+def create_app(controller: Controller) -> FastAPI:
+    app = FastAPI(title="liverl promotion controller")
+    mount_metrics(app)
+
+    @app.get("/health")
+    def health() -> dict:
+        canary = controller.registry.in_state("canary")
+        stable = controller.registry.stable()
+        return {"ok": True, "state": controller.state, "last_error": controller.last_error,
+                "stable": stable.version if stable else None,
+                "canary": canary[-1].version if canary else None}
+
+    return app
+
+
+if __name__ == "__main__":
+    settings = get_settings()
+    controller = Controller(settings)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    server = uvicorn.Server(uvicorn.Config(create_app(controller), host=settings.host,
+                                           port=settings.ports.controller, log_level="warning"))
+    threading.Thread(target=server.run, daemon=True).start()
+    controller.run(stop)

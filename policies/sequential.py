@@ -1,0 +1,88 @@
+"""An always-valid comparison of two streams of outcomes, safe to check continuously.
+
+A fixed-sample test looked at every few seconds finds a "significant" difference far
+more often than its level says. The mixture sequential probability ratio test (mSPRT)
+of Johari, Koomen, Pekelis & Walsh ("Always valid inference: continuous monitoring of
+A/B tests", Operations Research 2022) does not: with a normal mixture N(0, tau^2) over
+the difference theta = mean_B - mean_A, and V the variance of the observed difference,
+
+    Lambda(theta0) = sqrt(V / (V + tau^2)) * exp(tau^2 (d - theta0)^2 / (2 V (V + tau^2)))
+
+is a (CLT-approximate) martingale under theta = theta0, so by Ville's inequality it ever
+exceeds 1/alpha with probability at most alpha. Inverting it gives a confidence sequence,
+an interval that holds at every look at once:
+
+    d +- sqrt( 2 V (V + tau^2) / tau^2 * log( sqrt((V + tau^2) / V) / alpha ) )
+
+V uses each arm's variance shrunk toward `prior_var` by two pseudo-observations, so an
+arm whose first outcomes are all equal does not look certain.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+
+class Arm(BaseModel):
+    """The outcomes of one version so far: count, sum and sum of squares."""
+
+    n: int = 0
+    total: float = 0.0
+    squares: float = 0.0
+
+    @property
+    def mean(self) -> float:
+        return self.total / self.n if self.n else 0.0
+
+    def variance(self, prior_var: float) -> float:
+        deviations = max(self.squares - self.n * self.mean**2, 0.0)
+        return (deviations + 2 * prior_var) / (self.n + 1)
+
+
+def confidence_sequence(a: Arm, b: Arm, alpha: float, tau: float,
+                        prior_var: float = 0.25) -> tuple[float, float, float]:
+    """(d, low, high): the difference of means b - a and its always-valid 1 - alpha interval."""
+    d = b.mean - a.mean
+    if a.n == 0 or b.n == 0:
+        return d, -math.inf, math.inf
+    v = a.variance(prior_var) / a.n + b.variance(prior_var) / b.n
+    t2 = tau * tau
+    half = math.sqrt(2 * v * (v + t2) / t2 * math.log(math.sqrt((v + t2) / v) / alpha))
+    return d, d - half, d + half
+
+
+Decision = Literal["continue", "worse", "non_inferior", "inconclusive"]
+
+
+class Comparison(BaseModel):
+    """One look at a canary against stable on one metric."""
+
+    metric: str
+    decision: Decision
+    canary_n: int
+    stable_n: int
+    canary_mean: float
+    stable_mean: float
+    difference: float = Field(description="canary - stable")
+    low: float = Field(description="Always-valid lower bound of the difference.")
+    high: float = Field(description="Always-valid upper bound of the difference.")
+
+
+def compare(metric: str, stable: Arm, canary: Arm, *, alpha: float, tau: float, margin: float,
+            min_samples: int, prior_var: float = 0.25) -> Comparison:
+    """Clearly worse when the whole interval is below 0; non-inferior when it is above
+    -margin; otherwise keep looking. `min_samples` per arm before any verdict: the normal
+    approximation needs a few dozen outcomes."""
+    d, low, high = confidence_sequence(stable, canary, alpha, tau, prior_var)
+    decision: Decision = "continue"
+    if min(stable.n, canary.n) >= min_samples:
+        if high < 0:
+            decision = "worse"
+        elif low > -margin:
+            decision = "non_inferior"
+    return Comparison(metric=metric, decision=decision, canary_n=canary.n, stable_n=stable.n,
+                      canary_mean=canary.mean, stable_mean=stable.mean, difference=d,
+                      low=max(low, -1e9), high=min(high, 1e9))

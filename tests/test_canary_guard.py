@@ -1,0 +1,126 @@
+"""The live canary guard on the shared stack: a version users clearly dislike serves a
+share of traffic beside stable, is aborted by the promotion controller, never reaches
+stable, and the learner rewinds to stable. Plus the registry's rewind bookkeeping."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+from helpers import item, restart_component, wait_for
+from safetensors.torch import load_file, save_file
+from test_learning_plane import controller_idle, learner_health
+from transformers import AutoTokenizer
+
+from learner.trainer import PROBE_FILE, probe_logprobs
+from liverl.keys import admin_headers
+from policies.registry import Registry
+from serving.replicas import read_pool
+
+
+def worse_copy(stable_dir: Path, out: Path) -> str:
+    """The stable weights with the output rows of the newline and of a rare token swapped:
+    wherever stable would end a line this version writes the rare token (returned), so
+    users who reject completions containing it tell the two apart at once."""
+    shutil.copytree(stable_dir, out)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    newline = tokenizer.encode("\n")[-1]
+    rare = max(range(len(tokenizer) - 64, len(tokenizer)), key=lambda i: len(tokenizer.decode([i]).strip()))
+    for path in out.glob("*.safetensors"):
+        path.chmod(0o644)
+        weights = load_file(path)
+        if "lm_head.weight" in weights:
+            head = weights["lm_head.weight"]
+            head[[newline, rare]] = head[[rare, newline]]
+            save_file(weights, path, metadata={"format": "pt"})
+    (out / PROBE_FILE).chmod(0o644)
+    (out / PROBE_FILE).write_text(json.dumps(probe_logprobs(out, tokenizer)))
+    return tokenizer.decode([rare]).strip()
+
+
+def users(settings, key: str, marker: str, stop: threading.Event, served: dict[str, list[bool]]) -> None:
+    """A user who rejects every completion containing `marker` and accepts the rest."""
+    gateway = httpx.Client(base_url=settings.url(settings.ports.gateway), timeout=60,
+                           headers={"Authorization": f"Bearer {key}"})
+    api = httpx.Client(base_url=settings.url(settings.ports.api), timeout=30,
+                       headers={"Authorization": f"Bearer {key}"})
+    while not stop.is_set():
+        response = gateway.post("/v1/completions", json={"prompt": "def add(a, b):\n", "max_tokens": 16,
+                                                         "temperature": 1.0})
+        if response.status_code != 200:
+            continue
+        body = response.json()
+        ok = marker not in body["choices"][0]["text"]
+        served.setdefault(response.headers["x-liverl-policy-version"], []).append(ok)
+        api.post("/v1/ingestion", json={"batch": [item(f"f-{uuid.uuid4().hex}", {
+            "kind": "accept" if ok else "reject", "completion_id": body["completion_id"]})]})
+
+
+def test_a_clearly_worse_canary_is_aborted_and_the_learner_rewinds(settings, stack, dev_keys):
+    registry = Registry(settings.policies_dir)
+    learner = settings.url(settings.ports.learner)
+    httpx.post(learner + "/pause", headers=admin_headers(settings), timeout=10)
+    wait_for(lambda: learner_health(settings) and controller_idle(settings), timeout=120)
+    guard = {"LIVERL_PROMOTION__CANARY_GUARD": "true", "LIVERL_PROMOTION__JUDGE_AFTER_S": "0",
+             "LIVERL_PROMOTION__MIN_SAMPLES": "30", "LIVERL_PROMOTION__POLL_S": "0.5"}
+    restart_component(settings, "controller", "policies.controller", guard)
+    stop, served, threads = threading.Event(), {}, []
+    try:
+        stable = registry.stable()
+        marker = worse_copy(Path(stable.model_dir), settings.data_dir / "staging-worse")
+        assert marker
+        worse = registry.publish(settings.data_dir / "staging-worse", parent=stable.version, window=None,
+                                 metrics={"gate": {"passed": True, "reason": "test"}}, sample_ids=[],
+                                 actor="test")
+        threads = [threading.Thread(target=users, args=(settings, dev_keys["tenant_key"], marker, stop, served),
+                                    daemon=True) for _ in range(4)]
+        for t in threads:
+            t.start()
+        wait_for(lambda: registry.get(worse.version).state not in ("candidate", "canary"), timeout=240, interval=1)
+        record = registry.get(worse.version)
+        assert record.state == "aborted", record.state
+        assert "stable" not in {e["to"] for e in registry.history(worse.version)}
+        verdict = record.metrics["canary"]
+        assert verdict["verdict"] == "worse" and verdict["comparisons"][0]["high"] < 0
+        # It did serve users (that is how it was judged), and they disliked it.
+        assert sum(1 for ok in served.get(worse.version, []) if not ok) >= 1
+        assert registry.stable().version == stable.version
+        assert {r.policy_version for r in read_pool(settings).replicas} == {stable.version}
+        rewind = registry.last_rewind()
+        assert rewind.version == stable.version and worse.version in rewind.reason
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=60)
+        restart_component(settings, "controller", "policies.controller", {})
+        httpx.post(learner + "/resume", headers=admin_headers(settings), timeout=10)
+    # The learner continues from stable, not from the aborted version.
+    wait_for(lambda: (health := learner_health(settings)) and health["version"] == stable.version, timeout=60)
+
+
+def test_head_follows_rewinds_and_rejected_chains_are_named(tmp_path, starter_dir):
+    registry = Registry(tmp_path / "policies")
+
+    def publish(parent: str | None, state: str = "candidate", **metrics):
+        staged = tmp_path / f"staged-{uuid.uuid4().hex}"
+        shutil.copytree(starter_dir, staged)
+        return registry.publish(staged, parent=parent, window=None, metrics=metrics, sample_ids=[],
+                                actor="test", state=state)
+
+    v0 = publish(None, "stable")
+    v1 = publish(v0.version)
+    v2 = publish(v1.version)
+    assert registry.head().version == v2.version and registry.continues_rejected(v2.version) is None
+    registry.transition(v1.version, "aborted", "test", "worse")
+    rewind = registry.request_rewind(v0.version, "test", "v1 aborted")
+    assert registry.continues_rejected(v2.version) == v1.version
+    assert registry.head().version == v0.version  # v2 was trained before the rewind
+    v3 = publish(v0.version, after_rewind=rewind.id)
+    assert registry.head().version == v3.version and registry.continues_rejected(v3.version) is None
+    with pytest.raises(KeyError):
+        registry.request_rewind("v99", "test", "no such version")

@@ -1,0 +1,63 @@
+"""The canary guard's sequential test on simulated outcomes (no stack needed)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from policies.sequential import Arm, compare, confidence_sequence
+
+ALPHA, TAU, MIN_SAMPLES = 0.05, 0.1, 50
+
+
+def arm(outcomes) -> Arm:
+    x = np.asarray(outcomes, dtype=float)
+    return Arm(n=len(x), total=float(x.sum()), squares=float((x * x).sum()))
+
+
+def looks(rng: np.random.Generator, p_stable: float, p_canary: float, canary_share: float,
+          seeds: int, per_look: int, looks_: int) -> list[str]:
+    """Each seed's first verdict when the guard looks after every `per_look` outcomes."""
+    verdicts = []
+    for _ in range(seeds):
+        to_canary = rng.random(per_look * looks_) < canary_share
+        outcome = np.where(to_canary, rng.random(to_canary.size) < p_canary,
+                           rng.random(to_canary.size) < p_stable).astype(float)
+        verdict = "continue"
+        for end in range(per_look, to_canary.size + 1, per_look):
+            c, s = outcome[:end][to_canary[:end]], outcome[:end][~to_canary[:end]]
+            verdict = compare("accept_rate", arm(s), arm(c), alpha=ALPHA, tau=TAU, margin=0.05,
+                              min_samples=MIN_SAMPLES).decision
+            if verdict != "continue":
+                break
+        verdicts.append(verdict)
+    return verdicts
+
+
+@pytest.mark.parametrize("p, share", [(0.5, 0.5), (0.1, 0.5), (0.9, 0.25)])
+def test_false_abort_rate_under_the_null_is_at_most_alpha(p: float, share: float):
+    """Same accept rate on both arms, looked at 200 times per run: the share of runs in
+    which the guard ever calls the canary worse stays within the configured rate."""
+    verdicts = looks(np.random.default_rng(1), p, p, share, seeds=300, per_look=20, looks_=200)
+    assert verdicts.count("worse") / len(verdicts) <= ALPHA
+
+
+def test_a_clearly_worse_canary_is_caught_quickly_and_a_good_one_passes():
+    rng = np.random.default_rng(2)
+    worse = looks(rng, 0.6, 0.2, 0.5, seeds=50, per_look=20, looks_=50)
+    assert worse.count("worse") == 50
+    better = looks(rng, 0.4, 0.7, 0.5, seeds=50, per_look=20, looks_=50)
+    assert better.count("non_inferior") == 50
+
+
+def test_interval_by_hand():
+    # 100 outcomes each, means 0.5 and 0.6: V = 2 * (25 + 0.5) / 101 / 100
+    a, b = arm([1] * 50 + [0] * 50), arm([1] * 60 + [0] * 40)
+    d, low, high = confidence_sequence(a, b, alpha=0.05, tau=0.1)
+    v = (25.5 / 101 + 24.5 / 101) / 100
+    half = (2 * v * (v + 0.01) / 0.01 * np.log(np.sqrt((v + 0.01) / v) / 0.05)) ** 0.5
+    assert d == pytest.approx(0.1) and (low, high) == pytest.approx((0.1 - half, 0.1 + half))
+    assert confidence_sequence(Arm(), b, 0.05, 0.1)[1] == -np.inf  # no outcomes, no bound
+    few = compare("accept_rate", arm([1] * 10), arm([0] * 10), alpha=0.05, tau=0.1, margin=0.05,
+                  min_samples=50)
+    assert few.decision == "continue"  # too few for the normal approximation
