@@ -214,10 +214,15 @@ async def consume(settings: Settings, sink: Sink, stop: asyncio.Event) -> None:
         await consumer.stop()
 
 
+# ClickHouse's DateTime64 holds 1900-2299; the figures concern completions served since 1970.
+EPOCH, FAR = datetime(1970, 1, 1, tzinfo=timezone.utc), datetime(2200, 1, 1, tzinfo=timezone.utc)
+
+
 class FiguresRequest(BaseModel):
     versions: list[VersionName] = Field(min_length=1, max_length=32, description="Policy versions to report.")
-    since: AwareDatetime = Field(description="Completions served from this time...")
-    until: AwareDatetime = Field(description="...up to this one (late feedback: leave the window time).")
+    since: AwareDatetime = Field(ge=EPOCH, le=FAR, description="Completions served from this time...")
+    until: AwareDatetime = Field(ge=EPOCH, le=FAR, description="...up to this one (late feedback: leave "
+                                 "the window time).")
     production_only: bool = Field(True, description="Leave out rollouts (source = rollout).")
 
 

@@ -243,6 +243,26 @@ def guard_verdicts(settings: Settings) -> list[dict]:
     return stopped
 
 
+def stable_regressions(settings: Settings, per_version: list[dict], min_served: int = 200,
+                       drop: float = 0.10) -> list[dict]:
+    """Versions that reached stable serving clearly worse than the stable they replaced:
+    the 95% Wilson upper bound of their accept rate (from ClickHouse, at least
+    `min_served` completions) more than `drop` below the replaced version's rate."""
+    rates = {row["policy_version"]: (row["accept_rate"], int(row["n"])) for row in per_version
+             if row["accept_rate"] is not None}
+    order = [e["version"] for e in Registry(settings.policies_dir).history() if e["to"] == "stable"]
+    worse = []
+    for before, after in zip(order, order[1:]):
+        if before not in rates or after not in rates or rates[after][1] < min_served:
+            continue
+        rate, n = rates[after]
+        upper = wilson(round(rate * n), n)[1]
+        if upper < rates[before][0] - drop:
+            worse.append({"version": after, "accept_rate": rate, "upper": upper, "served": n,
+                          "replaced": before, "replaced_rate": rates[before][0]})
+    return worse
+
+
 def summary(tallies: dict[str, Tally], recent_s: float = 120.0, rise: float = 0.40) -> dict:
     """What users saw: the starter's accept rate; the rate over the last `recent_s`
     seconds of the run, whichever versions served it (the best version's rate, also
@@ -303,6 +323,7 @@ def run_demo(settings: Settings, minutes: float, users: int, seed: int, max_toke
         result = summary(pop.tallies)
         result["feedback_to_serving_s"] = feedback_to_serving(settings)
         result["guard"] = guard_verdicts(settings)
+        result["stable_regressions"] = stable_regressions(settings, per_version)
         if result["guard"]:
             print_rows(result["guard"], "versions the guard stopped")
         result["learning_curve"] = learning_curve(pop.tallies)[::25]

@@ -132,10 +132,12 @@ class Controller:
                 log(logger, "promotion finished", version=newest.version, state=result.state)
                 return
             self.state = f"starting canary {newest.version}"
+            # Recorded first, so a restart after the swap knows this canary is the controller's.
+            self.registry.update_metrics(newest.version, canary={"started_at": time.time(), "stable": stable.version})
             canary = self.promoter.start_canary(newest.version, ACTOR, "offline gate passed; judged live against stable")
         except Exception as error:
             return self.fail(newest.version, f"{type(error).__name__}: {error}")
-        if canary.state == "canary":
+        if canary.state == "canary":  # compared from when it serves
             self.registry.update_metrics(newest.version, canary={"started_at": time.time(), "stable": stable.version})
             log(logger, "canary started", version=newest.version, stable=stable.version)
 
@@ -154,9 +156,10 @@ class Controller:
     def judge(self, canary: PolicyVersion) -> None:
         stable = self.registry.stable()
         info = canary.metrics.get("canary") or {}
-        if "started_at" not in info or stable is None:  # put in canary by hand, or killed before the record
-            info = {"started_at": time.time(), "stable": stable.version if stable else None}
-            self.registry.update_metrics(canary.version, canary=info)
+        if "started_at" not in info or stable is None:
+            # Not the controller's: `liverl policy promote` put it there and finishes it.
+            self.state = f"{canary.version} is in canary by hand; left to whoever put it there"
+            return
         if not self.config.canary_guard:
             try:
                 self.promoter.finish(canary.version, ACTOR, "every replica verified")
