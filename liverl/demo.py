@@ -350,6 +350,7 @@ def demo_settings() -> Settings:
         # A canary serves beside stable on a second replica; the simulated users answer
         # within milliseconds, so a completion is judged a second after it was served.
         "serving": {"replicas": 2},
-        "promotion": {"auto_promote": True, "judge_after_s": 1.0},
+        "promotion": {"auto_promote": True, "judge_after_s": 1.0, "margin": 0.1, "reward_margin": 0.1,
+                      "canary_refresh_samples": 300},
     }  # the demo's own defaults: `LIVERL_*` variables still override each of them
     return settings_with_defaults(defaults, data_dir=Settings().data_dir / "demo")

@@ -9,7 +9,9 @@ never waits for a canary and a learner restart never interrupts one.
   on accept rate and mean reward with an always-valid test, so looking every second is
   sound. Clearly worse on either: `aborted`, its replica back on stable, and the learner
   asked to rewind to stable. Non-inferior within the margins on both: stable on every
-  replica. Neither by `max_samples` or `max_canary_s`: aborted as inconclusive.
+  replica. Undecided after `canary_refresh_samples` with a newer candidate waiting: the
+  newer one takes its place. Neither by `max_samples` or `max_canary_s`: aborted as
+  inconclusive.
 - The slide guard: small steps can add up to a decline no single comparison calls
   significant. Stable's served accept rate is compared with that of each of the last
   `slide_lookback` stables over their own time as stable; when it is surely more than
@@ -181,6 +183,13 @@ class Controller:
         info = dict(info, verdict=verdict, seconds=round(age, 1), comparisons=[c.model_dump() for c in comparisons])
         self.registry.update_metrics(canary.version, canary=info)
         if verdict == "continue":
+            canary_n = max((c.canary_n for c in comparisons), default=0)
+            if canary_n >= self.config.canary_refresh_samples and (newer := self.newer_candidate(canary)):
+                # Undecided is not worse: the newer candidate takes the canary's place, and
+                # the learner's chain goes on (nothing was taken off users for its quality).
+                self.promoter.transition(canary.version, "superseded", ACTOR,
+                                         f"undecided after {canary_n} completions; {newer.version} is newer")
+                self.take_candidate()
             return
         log(logger, "canary verdict", version=canary.version, verdict=verdict, seconds=round(age, 1),
             **{c.metric: f"{c.canary_mean:.3f} vs {c.stable_mean:.3f} [{c.low:+.3f}, {c.high:+.3f}]"
@@ -194,6 +203,12 @@ class Controller:
         why = "clearly worse than" if verdict == "worse" else "not shown non-inferior to"
         reason = f"canary {why} {stable.version} after {age:.0f} s: {figures_text}"
         self.promoter.abort(canary.version, ACTOR, reason)
+
+    def newer_candidate(self, canary: PolicyVersion) -> PolicyVersion | None:
+        """The newest candidate after `canary` that passed the offline gate, if any."""
+        newer = [c for c in self.registry.in_state("candidate")
+                 if c.seq > canary.seq and (c.metrics.get("gate") or {}).get("passed")]
+        return newer[-1] if newer else None
 
     def compare(self, figures: Figures, stable: str, canary: str) -> list[Comparison]:
         """Accept rate where there are accept-like verdicts, and mean reward; the level is

@@ -54,7 +54,11 @@ class Promoter:
 
         model_dir = self.weights(version)
         self.transition(version, "canary", actor, reason)
-        replica = next((r for r in read_pool(self.settings).replicas if r.policy_version != version), None)
+        stable = self.registry.stable()
+        others = [r for r in read_pool(self.settings).replicas if r.policy_version != version]
+        # A replica still on an earlier canary first: stable keeps serving where it is.
+        others.sort(key=lambda r: stable is not None and r.policy_version == stable.version)
+        replica = others[0] if others else None
         if replica is None:  # every replica serves it already (a restart mid-promotion)
             return self.registry.get(version)
         report = replace_replica(self.settings, replica.name, version, model_dir)
