@@ -21,3 +21,14 @@ def test_a_version_records_how_far_it_moved_from_its_parent(starter_dir: Path):
         assert metrics["entropy"] > 0
         assert 0 < metrics["grad_norm"] <= metrics["grad_norm_max"]
         assert {"advantage_mean", "advantage_std", "advantage_abs_max", "advantage_zero_fraction"} <= set(metrics)
+
+
+@pytest.mark.parametrize("objective", ["ppo", "gspo", "cispo"])
+def test_trust_region_objectives_train_on_the_policy(starter_dir: Path, objective: str):
+    """Each objective takes real steps on the starter (its parent as the proximal policy,
+    router replay and all) and reports its clipping; the clipping itself is checked by
+    hand in tests/test_learner_math.py."""
+    samples = sampled(starter_dir, count=6)
+    metrics = Trainer(starter_dir, LearnerConfig(minibatch=2, lr=1e-3, epochs=2, objective=objective)).train(samples)
+    assert 0 <= metrics["clipped_fraction"] <= 1 and metrics["untrainable"] == {}
+    assert metrics["kl_from_parent"] > 0 and metrics["mean_is_weight"] > 0
