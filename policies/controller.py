@@ -54,9 +54,8 @@ class Figures:
         self.reward: dict[str, Arm] = {}
         for row in rows:
             v = row["policy_version"]
-            a, r = self.accept.setdefault(v, Arm()), self.reward.setdefault(v, Arm())
-            a.n, a.total, a.squares = a.n + row["judged"], a.total + row["accepted"], a.squares + row["accepted"]
-            r.n, r.total, r.squares = r.n + row["samples"], r.total + row["reward_sum"], r.squares + row["reward_squares"]
+            self.accept.setdefault(v, Arm()).add(row["judged"], row["accepted"], row["accepted"])  # 0/1: x^2 = x
+            self.reward.setdefault(v, Arm()).add(row["samples"], row["reward_sum"], row["reward_squares"])
 
 
 def utc(t: float) -> str:
@@ -173,17 +172,17 @@ class Controller:
         figures = self.figures([canary.version, stable.version], info["started_at"], now - self.judge_after_s)
         comparisons = self.compare(figures, stable.version, canary.version)
         age = now - info["started_at"]
+        canary_n = max((c.canary_n for c in comparisons), default=0)
         verdict = "continue"
         if any(c.decision == "worse" for c in comparisons):
             verdict = "worse"
         elif comparisons and all(c.decision == "non_inferior" for c in comparisons):
             verdict = "non_inferior"
-        elif age > self.config.max_canary_s or max((c.canary_n for c in comparisons), default=0) >= self.config.max_samples:
+        elif age > self.config.max_canary_s or canary_n >= self.config.max_samples:
             verdict = "inconclusive"
         info = dict(info, verdict=verdict, seconds=round(age, 1), comparisons=[c.model_dump() for c in comparisons])
         self.registry.update_metrics(canary.version, canary=info)
         if verdict == "continue":
-            canary_n = max((c.canary_n for c in comparisons), default=0)
             if canary_n >= self.config.canary_refresh_samples and (newer := self.newer_candidate(canary)):
                 # Undecided is not worse: the newer candidate takes the canary's place, and
                 # the learner's chain goes on (nothing was taken off users for its quality).

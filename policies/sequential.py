@@ -33,6 +33,9 @@ class Arm(BaseModel):
     total: float = 0.0
     squares: float = 0.0
 
+    def add(self, n: int, total: float, squares: float) -> None:
+        self.n, self.total, self.squares = self.n + n, self.total + total, self.squares + squares
+
     @property
     def mean(self) -> float:
         return self.total / self.n if self.n else 0.0
