@@ -26,11 +26,11 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from liverl.demo import Population, demo_settings
+from app.demo import Population, demo_settings
+from app.stack import down, up
 from liverl.keys import admin_headers
+from liverl.pool import read_pool
 from liverl.settings import ServingConfig
-from liverl.stack import down, up
-from serving.replicas import read_pool
 from serving.swap import drain_in_flight, load_in_place, set_replica
 
 console = Console(width=160)

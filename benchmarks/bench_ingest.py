@@ -28,10 +28,11 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from app.stack import down, drain, up
 from liverl.keys import admin_headers
+from liverl.manifest import read_manifest
+from liverl.pool import read_pool
 from liverl.settings import Settings
-from liverl.stack import down, drain, read_manifest, up
-from serving.replicas import read_pool
 
 console = Console()
 

@@ -21,10 +21,10 @@ from rich.console import Console
 from rich.table import Table
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from app.demo import make_prompt
 from learner import router_replay
 from learner.trainer import Trainer
 from liverl.contracts import RewardedSample, Trajectory
-from liverl.demo import make_prompt
 from liverl.settings import LearnerConfig, Settings
 from policies.starter import build_starter_policy
 

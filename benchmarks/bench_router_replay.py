@@ -19,8 +19,8 @@ from rich.console import Console
 from rich.table import Table
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from app.demo import make_prompt
 from learner import router_replay
-from liverl.demo import make_prompt
 from liverl.settings import Settings
 from policies.starter import build_starter_policy
 

@@ -27,12 +27,12 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from liverl.demo import Population, demo_settings
+from app.demo import Population, demo_settings
+from app.stack import down, drain, up
 from liverl.keys import admin_headers
+from liverl.pool import read_pool
 from liverl.settings import Settings
-from liverl.stack import down, drain, up
 from policies.registry import Registry
-from serving.replicas import read_pool
 from serving.swap import replace_replica
 
 console = Console(width=160)  # the swaps table whole, also when written to a file

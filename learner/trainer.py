@@ -13,7 +13,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+)
 from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -27,16 +30,8 @@ from learner.rl import (
     version_minibatches,
 )
 from liverl.contracts import Architecture, RewardedSample, misfit
+from liverl.probe import PROBE_FILE, probe_logprobs
 from liverl.settings import LearnerConfig
-
-PROBE_FILE = "liverl_probe.json"
-PROBE_TEXTS = [
-    "def add(a, b):\n    return a + b\n",
-    "import os\nimport sys\n\nprint(os.getcwd())\n",
-    "class Stack:\n    def __init__(self):\n        self.items = []\n",
-    "for i in range(10):\n    if i % 2:\n        continue\n",
-    "# sort a list of numbers\nnumbers = [3, 1, 2]\n",
-]
 
 
 @dataclass
@@ -332,19 +327,3 @@ class Trainer:
         torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                     "baseline": self.baseline.means}, tmp)
         tmp.replace(path)
-
-
-def probe_logprobs(model_dir: Path, tokenizer) -> dict:
-    """Token logprobs of the probe texts under the published weights, in fp32.
-
-    A replica serving this version must reproduce them (same tokens, same numbers).
-    """
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    probes = []
-    with torch.no_grad():
-        for text in PROBE_TEXTS:
-            ids = tokenizer(text)["input_ids"]
-            logits = model(input_ids=torch.tensor([ids])).logits.float()
-            logp = torch.log_softmax(logits[0, :-1], -1).gather(-1, torch.tensor(ids[1:])[:, None])
-            probes.append({"token_ids": ids, "logprobs": logp.squeeze(-1).tolist()})
-    return {"probes": probes}

@@ -35,11 +35,11 @@ from fastapi import FastAPI
 
 from liverl.keys import admin_headers
 from liverl.observability import log, mount_metrics, setup_logging
+from liverl.pool import read_pool
 from liverl.settings import Settings, get_settings
 from policies.promotion import Promoter
 from policies.registry import PolicyVersion, Registry
 from policies.sequential import Arm, Comparison, compare, confidence_sequence
-from serving.replicas import read_pool
 
 ACTOR = "controller"
 logger = setup_logging("controller")

@@ -49,8 +49,8 @@ class Promoter:
     def start_canary(self, version: str, actor: str, reason: str) -> PolicyVersion:
         """The version on one replica (verified), beside stable on the others. A replica
         that fails verification is back on its old weights and the version rolled back."""
+        from liverl.pool import read_pool
         from serving.swap import replace_replica
-        from serving.replicas import read_pool
 
         model_dir = self.weights(version)
         self.transition(version, "canary", actor, reason)

@@ -1,8 +1,6 @@
-"""The replica pool: which vLLM replicas exist, what each serves, whether it takes traffic.
+"""vLLM replicas: where each listens, how liverl reaches it, how it is launched.
 
-The pool lives in one small JSON file (`run/replicas.json`) written by whoever changes
-it (`liverl up`, a swap) and re-read by the gateway when it changes, so routing
-survives a gateway restart and a swap needs no extra control channel.
+Which replicas exist and what each serves is the pool record (`liverl/pool.py`).
 """
 
 from __future__ import annotations
@@ -12,49 +10,10 @@ import subprocess
 from pathlib import Path
 
 import httpx
-from pydantic import BaseModel, Field
 
+from liverl.pool import SERVED_MODEL_NAME, Replica
 from liverl.process import spawn, wait_until
 from liverl.settings import Settings
-
-SERVED_MODEL_NAME = "liverl-policy"
-
-
-class Replica(BaseModel):
-    name: str
-    url: str
-    policy_version: str
-    model_dir: str
-    enabled: bool = Field(True, description="False while draining or being swapped.")
-    pid: int | None = None
-
-
-class Pool(BaseModel):
-    replicas: list[Replica] = Field(default_factory=list)
-
-    def get(self, name: str) -> Replica:
-        for replica in self.replicas:
-            if replica.name == name:
-                return replica
-        raise KeyError(f"no replica named {name!r}")
-
-
-def pool_file(settings: Settings) -> Path:
-    return settings.run_dir / "replicas.json"
-
-
-def read_pool(settings: Settings) -> Pool:
-    path = pool_file(settings)
-    return Pool.model_validate_json(path.read_text()) if path.exists() else Pool()
-
-
-def write_pool(settings: Settings, pool: Pool) -> None:
-    path = pool_file(settings)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(pool.model_dump_json(indent=2))
-    tmp.replace(path)  # atomic: the gateway never reads half a file
-
 
 # --- Where a replica listens, and how liverl reaches it ------------------------------------
 UNIX = "unix:"
@@ -143,7 +102,6 @@ def replica_env(settings: Settings) -> dict[str, str]:
     )
     env.pop("VIRTUAL_ENV", None)
     return env
-
 
 
 def launch_replica(settings: Settings, name: str, model_dir: Path, url: str,

@@ -36,19 +36,11 @@ from pathlib import Path
 import httpx
 from pydantic import BaseModel, Field
 
-from learner.trainer import PROBE_FILE
+from liverl.pool import SERVED_MODEL_NAME, Replica, read_pool, write_pool
+from liverl.probe import PROBE_FILE
 from liverl.process import stop_pid, wait_until
 from liverl.settings import Settings
-from serving.replicas import (
-    SERVED_MODEL_NAME,
-    Replica,
-    launch_replica,
-    read_pool,
-    replica_client,
-    replica_url,
-    wait_replica,
-    write_pool,
-)
+from serving.replicas import launch_replica, replica_client, replica_url, wait_replica
 from sync.replica import ReplicaSync
 
 

@@ -11,11 +11,26 @@ from typing import Optional
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
 from rich.table import Table
 
 from sync.checkpoint import Checkpoint
-from sync.delta import FORMATS, LATEST_FORMAT, DeltaError, DeltaManifest, apply_delta_dir, encode_delta, read_manifest
+from sync.delta import (
+    FORMATS,
+    LATEST_FORMAT,
+    DeltaError,
+    DeltaManifest,
+    apply_delta_dir,
+    encode_delta,
+    read_manifest,
+)
 
 app = typer.Typer(help="Lossless deltas between versions of a Hugging Face safetensors checkpoint.",
                   no_args_is_help=True)
@@ -122,8 +137,8 @@ DataDir = typer.Option(None, "--data-dir", envvar="LIVERL_DATA_DIR", help="State
 def sync_status(data_dir: Optional[Path] = DataDir) -> None:
     """Each replica's version, what is pending, bytes shipped and the ratio achieved;
     then what the delta store holds."""
-    from liverl.stack import running_settings
-    from serving.replicas import read_pool
+    from liverl.manifest import running_settings
+    from liverl.pool import read_pool
     from sync.records import read_records, sync_store
     from sync.replica import replica_states
 
@@ -160,7 +175,7 @@ def sync_status(data_dir: Optional[Path] = DataDir) -> None:
 def sync_gc(data_dir: Optional[Path] = DataDir) -> None:
     """Remove store objects and registry weights older than `sync.keep_versions` that no
     replica, alias or rollback target needs."""
-    from liverl.stack import running_settings
+    from liverl.manifest import running_settings
     from policies.registry import Registry
     from sync.records import sync_store
     from sync.retention import collect_garbage

@@ -18,10 +18,16 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
+from liverl.pool import read_pool
 from liverl.settings import Settings
 from policies.registry import PolicyVersion, Registry
-from serving.replicas import read_pool
-from sync.records import OBJECT_PREFIXES, VersionRecord, read_records, record_key, write_record
+from sync.records import (
+    OBJECT_PREFIXES,
+    VersionRecord,
+    read_records,
+    record_key,
+    write_record,
+)
 from sync.replica import replica_states
 from sync.store import DeltaStore
 

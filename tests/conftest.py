@@ -55,7 +55,7 @@ def settings(tmp_path_factory: pytest.TempPathFactory, starter_dir: Path) -> Set
 
 @pytest.fixture(scope="session")
 def stack(settings: Settings):
-    from liverl.stack import down, status, up
+    from app.stack import down, status, up
 
     up(settings, say=lambda _: None, progress=False)
     yield status(settings)

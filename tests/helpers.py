@@ -9,10 +9,11 @@ from pathlib import Path
 
 import httpx
 
+from app.stack import child_env
 from liverl.keys import admin_headers
+from liverl.manifest import read_manifest
 from liverl.process import spawn, stop_pid
 from liverl.settings import Settings
-from liverl.stack import child_env, read_manifest
 
 
 def sql(settings: Settings, query: str) -> list[dict]:

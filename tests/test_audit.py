@@ -30,7 +30,7 @@ def test_cli_shows_the_newest_entries_of_an_action(tmp_path):
     log = AuditLog(tmp_path / "audit.db")
     log.record("key-a", "keys.create", "acme", "onboarding", scopes=["feedback"])
     log.record("key-a", "sql", "", "", query="SELECT 1")
-    out = subprocess.run([sys.executable, "-m", "liverl.cli", "audit", "--json", "--action", "keys.create",
+    out = subprocess.run([sys.executable, "-m", "app.cli", "audit", "--json", "--action", "keys.create",
                           "--data-dir", str(tmp_path)], capture_output=True, text=True, check=True).stdout
     rows = [json.loads(line) for line in out.splitlines()]
     assert [(r["actor"], r["action"], r["target"], r["reason"], r["details"]) for r in rows] == [

@@ -17,10 +17,10 @@ from safetensors.torch import load_file, save_file
 from test_learning_plane import controller_idle, learner_health
 from transformers import AutoTokenizer
 
-from learner.trainer import PROBE_FILE, probe_logprobs
 from liverl.keys import admin_headers
+from liverl.pool import read_pool
+from liverl.probe import PROBE_FILE, probe_logprobs
 from policies.registry import Registry
-from serving.replicas import read_pool
 
 
 def worse_copy(stable_dir: Path, out: Path) -> str:

@@ -5,19 +5,19 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import time
 import sys
+import time
 import uuid
 
 import httpx
 import pytest
+from liverl.client import FeedbackClient
 from helpers import item, sql, wait_for
 from openai import OpenAI
 
-from liverl.client import FeedbackClient
 from liverl.contracts import Topics
 from liverl.kafka import read_topic
-from serving.replicas import read_pool
+from liverl.pool import read_pool
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +27,7 @@ def openai_client(settings, dev_keys) -> OpenAI:
 
 def liverl(settings, *args: str) -> subprocess.CompletedProcess:
     """The CLI as an operator runs it: only the data directory points at the stack."""
-    return subprocess.run([sys.executable, "-m", "liverl.cli", *args, "--data-dir", str(settings.data_dir)],
+    return subprocess.run([sys.executable, "-m", "app.cli", *args, "--data-dir", str(settings.data_dir)],
                           capture_output=True, text=True, timeout=120)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from liverl.demo import Tally, summary
+from app.demo import Tally, summary
 
 
 def tally(start: float, verdicts: list[bool]) -> Tally:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 
 import httpx
-import pytest
 import schemathesis
 from hypothesis import HealthCheck, given
 from hypothesis import settings as hypothesis_settings

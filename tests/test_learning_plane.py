@@ -15,11 +15,11 @@ from helpers import item, restart_component, wait_for
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
-from liverl.demo import Population, wilson
+from app.demo import Population, wilson
 from liverl.keys import admin_headers
+from liverl.pool import read_pool
 from policies.promotion import Promoter
 from policies.registry import Registry
-from serving.replicas import read_pool
 
 
 def learner_health(settings) -> dict | None:

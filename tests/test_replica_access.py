@@ -8,8 +8,9 @@ import os
 import stat
 import subprocess
 
-from liverl.stack import port_free
-from serving.replicas import UNIX, read_pool, replica_client, sockets_dir
+from app.stack import port_free
+from liverl.pool import read_pool
+from serving.replicas import UNIX, replica_client, sockets_dir
 
 CONNECT = """
 import socket, sys

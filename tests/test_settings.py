@@ -10,13 +10,19 @@ import sys
 import pytest
 from pydantic import ValidationError
 
-from liverl.demo import demo_settings
-from liverl.settings import (ClickHouseServer, LearnerConfig, PortsConfig, S3DeltaStore, ServingConfig,
-                             Settings)
+from app.demo import demo_settings
+from liverl.settings import (
+    ClickHouseServer,
+    LearnerConfig,
+    PortsConfig,
+    S3DeltaStore,
+    ServingConfig,
+    Settings,
+)
 
 
 def liverl(*args: str, env: dict[str, str], tmp_path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "liverl.cli", *args, "--data-dir", str(tmp_path)],
+    return subprocess.run([sys.executable, "-m", "app.cli", *args, "--data-dir", str(tmp_path)],
                           capture_output=True, text=True, timeout=60, env=env)
 
 

@@ -13,11 +13,11 @@ import pytest
 from test_learning_plane import paused_learner  # noqa: F401 (a fixture)
 
 import serving.swap
-from learner.trainer import PROBE_FILE
+from liverl.pool import read_pool
+from liverl.probe import PROBE_FILE
 from liverl.settings import PromotionConfig, Settings
 from policies.controller import Controller
 from policies.registry import Registry
-from serving.replicas import read_pool
 from serving.swap import VerificationFailed, swap_in_place, verify
 
 

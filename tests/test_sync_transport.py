@@ -18,10 +18,10 @@ import torch
 from safetensors.torch import save_file
 
 import sync.store
+from liverl.pool import Pool, Replica, write_pool
 from liverl.settings import LocalDeltaStore, S3DeltaStore, Settings, SyncConfig
 from policies.promotion import Promoter
 from policies.registry import Registry
-from serving.replicas import Pool, Replica, write_pool
 from serving.swap import stage
 from sync.checkpoint import Checkpoint, bits
 from sync.delta import state_digest
@@ -349,7 +349,7 @@ def test_swap_stages_from_the_store_or_falls_back_to_the_full_directory(tmp_path
 def test_sync_cli_status_and_gc(tmp_path):
     from typer.testing import CliRunner
 
-    from liverl.cli import app
+    from app.cli import app
 
     settings = Settings(data_dir=tmp_path)
     lineage = Lineage(tmp_path)

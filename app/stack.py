@@ -22,16 +22,28 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
-from pydantic import BaseModel
 
 from liverl.contracts import Topics
 from liverl.kafka import ensure_topics, group_lag
 from liverl.keys import KeyStore, admin_headers, write_private
+from liverl.manifest import (
+    Component,
+    Manifest,
+    manifest_file,
+    read_manifest,
+    settings_file,
+)
+from liverl.pool import Pool, read_pool, write_pool
 from liverl.process import alive, spawn, stop_pid, wait_until, yield_cpu
 from liverl.settings import EmbeddedBroker, Settings
 from policies.registry import Registry
-from serving.replicas import (Pool, ReplicaError, launch_replica, read_pool, replica_healthy, replica_url,
-                              wait_replica, write_pool)
+from serving.replicas import (
+    ReplicaError,
+    launch_replica,
+    replica_healthy,
+    replica_url,
+    wait_replica,
+)
 
 # consumer group -> (the component that consumes for it, the topics it must finish)
 DRAINED_GROUPS = {
@@ -42,19 +54,6 @@ DRAINED_GROUPS = {
 
 class StackError(RuntimeError):
     """A component could not start or stop; the message names it and the fix."""
-
-
-class Component(BaseModel):
-    name: str
-    pid: int
-    url: str | None = None
-    log: str
-
-
-class Manifest(BaseModel):
-    cluster_id: str
-    started_at: float
-    components: list[Component]
 
 
 def tansu_binary() -> Path:
@@ -76,30 +75,6 @@ def port_free(host: str, port: int) -> bool:
         except OSError:
             return False
     return True
-
-
-def manifest_file(settings: Settings) -> Path:
-    return settings.run_dir / "stack.json"
-
-
-def settings_file(settings: Settings) -> Path:
-    return settings.run_dir / "settings.json"
-
-
-def running_settings(data_dir: Path | None = None) -> Settings:
-    """The settings the stack in `data_dir` (default: the configured one) runs with, if one
-    runs there: commands from any shell then reach its ports and broker whatever their own
-    environment says."""
-    settings = Settings(data_dir=data_dir) if data_dir else Settings()
-    if manifest_file(settings).exists() and settings_file(settings).exists():
-        # Keyword arguments, so the secrets left out of the file come from the environment.
-        return Settings(**json.loads(settings_file(settings).read_text()))
-    return settings
-
-
-def read_manifest(settings: Settings) -> Manifest | None:
-    path = manifest_file(settings)
-    return Manifest.model_validate_json(path.read_text()) if path.exists() else None
 
 
 class Launcher:
@@ -182,7 +157,7 @@ def starter_version(settings: Settings, progress: bool) -> tuple[str, Path]:
 
         source = build_starter_policy(settings.starter.cache_dir, seed=settings.starter.seed,
                                       progress=progress)
-    from learner.trainer import PROBE_FILE, probe_logprobs  # torch: only on first start
+    from liverl.probe import PROBE_FILE, probe_logprobs  # torch: only on first start
 
     staged = settings.policies_dir / "staging-v0"
     shutil.rmtree(staged, ignore_errors=True)

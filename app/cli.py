@@ -8,9 +8,8 @@ from typing import Optional
 
 import httpx
 import typer
-from rich.console import Console
-from rich.table import Table
 
+from app.tables import console, print_rows
 from liverl.settings import Settings
 from sync.cli import app as delta_app
 from sync.cli import sync_app
@@ -22,11 +21,10 @@ app.add_typer(keys_app, name="keys")
 app.add_typer(dlq_app, name="dlq")
 app.add_typer(delta_app, name="delta")
 app.add_typer(sync_app, name="sync")
-console = Console()
 
 
 def settings_from(data_dir: Optional[Path]) -> Settings:
-    from liverl.stack import running_settings
+    from liverl.manifest import running_settings
 
     return running_settings(data_dir)
 
@@ -39,20 +37,12 @@ def fail(message: str) -> None:
     raise typer.Exit(1)
 
 
-def print_rows(rows: list[dict], title: str | None = None) -> None:
-    table = Table(title=title)
-    for column in rows[0] if rows else []:
-        table.add_column(str(column))
-    for row in rows:
-        table.add_row(*("" if v is None else str(v) for v in row.values()))
-    console.print(table)
-
-
 @app.command()
 def up(data_dir: Optional[Path] = DataDir, replicas: Optional[int] = typer.Option(
         None, help="vLLM replicas to start.")) -> None:
     """Start the embedded stack and return when every component is healthy."""
-    from liverl.stack import StackError, up as stack_up
+    from app.stack import StackError
+    from app.stack import up as stack_up
 
     settings = settings_from(data_dir)
     if replicas:
@@ -69,7 +59,8 @@ def up(data_dir: Optional[Path] = DataDir, replicas: Optional[int] = typer.Optio
 def down(data_dir: Optional[Path] = DataDir,
          force: bool = typer.Option(False, help="Stop without draining (may lose in-flight events).")) -> None:
     """Drain (every acknowledged event stored, every sample consumed), then stop."""
-    from liverl.stack import StackError, down as stack_down
+    from app.stack import StackError
+    from app.stack import down as stack_down
 
     try:
         stack_down(settings_from(data_dir), say=console.print, force=force)
@@ -80,7 +71,7 @@ def down(data_dir: Optional[Path] = DataDir,
 @app.command()
 def status(data_dir: Optional[Path] = DataDir, as_json: bool = typer.Option(False, "--json")) -> None:
     """Each component: pid, URL, healthy, policy version served."""
-    from liverl.stack import status as stack_status
+    from app.stack import status as stack_status
 
     report = stack_status(settings_from(data_dir))
     if as_json:
@@ -293,7 +284,7 @@ def demo(minutes: float = typer.Option(10.0, help="How long the simulated produc
     """Start the stack, let simulated users teach the policy a hidden rule, show it learning."""
     import shutil
 
-    from liverl.demo import demo_settings, run_demo
+    from app.demo import demo_settings, run_demo
 
     settings = demo_settings()
     shutil.rmtree(settings.data_dir, ignore_errors=True)  # every demo starts from the starter policy

@@ -26,6 +26,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from app.tables import print_rows
 from liverl.client import FeedbackClient
 from liverl.keys import admin_headers
 from liverl.settings import Settings, settings_with_defaults
@@ -294,8 +295,7 @@ def run_demo(settings: Settings, minutes: float, users: int, seed: int, max_toke
              out_dir: Path, console: Console) -> dict:
     import httpx
 
-    from liverl.cli import print_rows
-    from liverl.stack import StackError, down, drain, up
+    from app.stack import StackError, down, drain, up
 
     console.print("[bold]starting the embedded stack[/bold]")
     up(settings, say=console.print)
