@@ -244,8 +244,8 @@ def policy_show(version: str, data_dir: Optional[Path] = DataDir) -> None:
 def policy_promote(version: str, data_dir: Optional[Path] = DataDir,
                    actor: str = typer.Option("cli", help="Who promotes (recorded in the audit log).")) -> None:
     """Roll a version out: one canary replica verified, then every replica."""
-    from policies.promotion import Promoter
     from policies.registry import Registry
+    from promotion.promoter import Promoter
 
     settings = settings_from(data_dir)
     registry = Registry(settings.policies_dir)
@@ -264,8 +264,8 @@ def policy_rollback(reason: str = typer.Option(..., help="Why (recorded in the a
                                                      "previous stable one).")) -> None:
     """Take the stable version out of serving: the previous stable one (or --to) returns
     everywhere, verified, and the learner continues from it."""
-    from policies.promotion import Promoter
     from policies.registry import Registry
+    from promotion.promoter import Promoter
 
     settings = settings_from(data_dir)
     try:

@@ -212,7 +212,7 @@ def up(settings: Settings, say: Callable[[str], None] = print, progress: bool = 
         launcher.python("gateway", "serving.gateway", settings.ports.gateway)
         if settings.learner.enabled:
             launcher.python("learner", "learner.service", settings.ports.learner)
-        launcher.python("controller", "policies.controller", settings.ports.controller)
+        launcher.python("controller", "promotion.controller", settings.ports.controller)
     except (StackError, ReplicaError, OSError) as error:
         stop_all(settings, launcher.started)
         raise StackError(str(error)) from None

@@ -4,7 +4,7 @@ Cycle: consume samples (latest revision of each wins; stale, excluded-tenant, al
 trained and malformed samples are counted, never trained) -> when N samples arrived or
 T passed, train -> write the candidate version, the trained sample ids and the offsets
 in one registry transaction -> commit the Kafka offsets. The promotion controller
-(`policies/controller.py`, its own process) takes candidates from the registry, so
+(`promotion/controller.py`, its own process) takes candidates from the registry, so
 serving never waits for training and training never waits for a canary.
 
 When the controller takes a version off users (a canary aborted, a slide rolled back)
@@ -27,7 +27,12 @@ from pathlib import Path
 import torch
 import uvicorn
 from fastapi import Depends, FastAPI
-from kafka import ConsumerRebalanceListener, KafkaConsumer, OffsetAndMetadata, TopicPartition
+from kafka import (
+    ConsumerRebalanceListener,
+    KafkaConsumer,
+    OffsetAndMetadata,
+    TopicPartition,
+)
 from prometheus_client import Counter, Gauge
 from pydantic import ValidationError
 

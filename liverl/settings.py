@@ -12,9 +12,20 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Literal, Union
 
-from pydantic import (BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_serializer,
-                      model_validator)
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_serializer,
+    model_validator,
+)
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -280,7 +291,7 @@ class LearnerConfig(Config):
 
 
 class PromotionConfig(Config):
-    """The promotion controller (`policies/controller.py`) and its live canary guard."""
+    """The promotion controller (`promotion/controller.py`) and its live canary guard."""
 
     auto_promote: bool = Field(False, description="Take candidates that pass the offline check to canary, "
                                "and canaries the guard finds non-inferior to stable.")

@@ -18,8 +18,8 @@ from transformers import AutoConfig
 from app.demo import Population, wilson
 from liverl.keys import admin_headers
 from liverl.pool import read_pool
-from policies.promotion import Promoter
 from policies.registry import Registry
+from promotion.promoter import Promoter
 
 
 def learner_health(settings) -> dict | None:

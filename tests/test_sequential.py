@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from policies.sequential import Arm, compare, confidence_sequence
+from promotion.sequential import Arm, compare, confidence_sequence
 
 ALPHA, TAU, MIN_SAMPLES = 0.05, 0.1, 50
 

@@ -16,8 +16,8 @@ import serving.swap
 from liverl.pool import read_pool
 from liverl.probe import PROBE_FILE
 from liverl.settings import PromotionConfig, Settings
-from policies.controller import Controller
 from policies.registry import Registry
+from promotion.controller import Controller
 from serving.swap import VerificationFailed, swap_in_place, verify
 
 

@@ -20,8 +20,8 @@ from safetensors.torch import save_file
 import sync.store
 from liverl.pool import Pool, Replica, write_pool
 from liverl.settings import LocalDeltaStore, S3DeltaStore, Settings, SyncConfig
-from policies.promotion import Promoter
 from policies.registry import Registry
+from promotion.promoter import Promoter
 from serving.swap import stage
 from sync.checkpoint import Checkpoint, bits
 from sync.delta import state_digest

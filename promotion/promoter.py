@@ -2,7 +2,7 @@
 replica), abort, and rollback. Every change is recorded in the registry with actor and
 reason, and announced to ClickHouse's `policy_versions`.
 
-Who decides is elsewhere: the promotion controller (`policies/controller.py`) for
+Who decides is elsewhere: the promotion controller (`promotion/controller.py`) for
 automatic promotion with its live canary guard, on-call through `liverl policy`.
 """
 

@@ -4,7 +4,7 @@ never waits for a canary and a learner restart never interrupts one.
 
 - The newest candidate that passed the offline gate (and was not trained on top of a
   version taken off users) goes to one replica: the canary, beside stable on the others.
-- The canary guard judges it on live feedback (`policies/sequential.py`): the judged
+- The canary guard judges it on live feedback (`promotion/sequential.py`): the judged
   production completions canary and stable served since the canary started, compared
   on accept rate and mean reward with an always-valid test, so looking every second is
   sound. Clearly worse on either: `aborted`, its replica back on stable, and the learner
@@ -37,9 +37,9 @@ from liverl.keys import admin_headers
 from liverl.observability import log, mount_metrics, setup_logging
 from liverl.pool import read_pool
 from liverl.settings import Settings, get_settings
-from policies.promotion import Promoter
 from policies.registry import PolicyVersion, Registry
-from policies.sequential import Arm, Comparison, compare, confidence_sequence
+from promotion.promoter import Promoter
+from promotion.sequential import Arm, Comparison, compare, confidence_sequence
 
 ACTOR = "controller"
 logger = setup_logging("controller")
