@@ -27,6 +27,23 @@ State = Literal["candidate", "canary", "stable", "rolled_back", "rejected", "sup
 # A version in one of these states was taken off users for its quality: whatever the
 # learner trained on top of it continues a rejected chain.
 REJECTED = ("aborted", "rolled_back")
+# The only moves a version's state may make. A candidate reaches users through canary;
+# stable is left by being replaced (superseded) or rolled back, and an earlier stable or
+# superseded version can return by a rollback. Aborted and rejected are final: the
+# learner's newer candidates carry on instead.
+TRANSITIONS: dict[str, tuple[str, ...]] = {
+    "candidate": ("canary", "superseded", "rejected"),
+    "canary": ("stable", "aborted", "rolled_back", "superseded", "rejected"),
+    "stable": ("superseded", "rolled_back"),
+    "superseded": ("canary", "stable"),
+    "rolled_back": ("stable",),
+    "aborted": (),
+    "rejected": (),
+}
+
+
+class IllegalTransition(ValueError):
+    """A state change the lifecycle does not allow, or one without a reason."""
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS versions (
@@ -47,6 +64,17 @@ CREATE TABLE IF NOT EXISTS offsets (
     PRIMARY KEY (cluster_id, topic, partition)
 );
 """
+
+
+def check_transition(version: str, from_state: str, to_state: str, reason: str) -> None:
+    """Refuse a move the lifecycle does not allow, or one nobody explained."""
+    if not reason or not reason.strip():
+        raise IllegalTransition(f"{version}: a reason is required to move it from {from_state} to {to_state}")
+    allowed = TRANSITIONS[from_state]
+    if to_state not in allowed:
+        raise IllegalTransition(
+            f"{version} is {from_state}; it cannot become {to_state} "
+            f"({'it is final' if not allowed else 'from ' + from_state + ' it can become ' + ', '.join(allowed)})")
 
 
 class SampleWindow(BaseModel):
@@ -238,6 +266,7 @@ class Registry:
             current = db.execute("SELECT state FROM versions WHERE version = ?", (version,)).fetchone()
             if current is None:
                 raise KeyError(f"no policy version {version!r}")
+            check_transition(version, current[0], to_state, reason)
             db.execute("UPDATE versions SET state = ? WHERE version = ?", (to_state, version))
             db.execute("INSERT INTO events (version, at, from_state, to_state, actor, reason) "
                        "VALUES (?,?,?,?,?,?)", (version, time.time(), current[0], to_state, actor, reason))

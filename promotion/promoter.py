@@ -53,7 +53,8 @@ class Promoter:
         from serving.swap import replace_replica
 
         model_dir = self.weights(version)
-        self.transition(version, "canary", actor, reason)
+        if self.registry.get(version).state != "canary":  # not when resuming a canary's swap
+            self.transition(version, "canary", actor, reason)
         stable = self.registry.stable()
         others = [r for r in read_pool(self.settings).replicas if r.policy_version != version]
         # A replica still on an earlier canary first: stable keeps serving where it is.

@@ -116,6 +116,7 @@ def test_head_follows_rewinds_and_rejected_chains_are_named(tmp_path, starter_di
     v1 = publish(v0.version)
     v2 = publish(v1.version)
     assert registry.head().version == v2.version and registry.continues_rejected(v2.version) is None
+    registry.transition(v1.version, "canary", "test", "offline gate passed")
     registry.transition(v1.version, "aborted", "test", "worse")
     rewind = registry.request_rewind(v0.version, "test", "v1 aborted")
     assert registry.continues_rejected(v2.version) == v1.version

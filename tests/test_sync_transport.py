@@ -265,8 +265,10 @@ def test_retention_keeps_what_replicas_aliases_and_rollback_need(tmp_path):
         lineage.add()
         lineage.publish(store, snapshot_every=4)
     # v6 is stable; v5, the stable before it, is the rollback target.
+    lineage.registry.transition("v5", "canary", "test", "offline gate passed")
     lineage.registry.transition("v5", "stable", "test", "promoted")
     lineage.registry.transition("v5", "superseded", "test", "replaced by v6")
+    lineage.registry.transition("v6", "canary", "test", "offline gate passed")
     lineage.registry.transition("v6", "stable", "test", "promoted")
     settings = Settings(data_dir=tmp_path, sync=SyncConfig(keep_versions=2))
     holder = ReplicaSync(tmp_path / "replicas" / "r0", store)
