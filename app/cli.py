@@ -285,8 +285,12 @@ def demo(minutes: float = typer.Option(10.0, help="How long the simulated produc
     import shutil
 
     from app.demo import demo_settings, run_demo
+    from app.stack import running
 
     settings = demo_settings()
+    if running(settings):  # its state is about to be wiped: never under a live demo
+        fail(f"a demo is already running in {settings.data_dir}; `liverl down --data-dir "
+             f"{settings.data_dir}` stops it")
     shutil.rmtree(settings.data_dir, ignore_errors=True)  # every demo starts from the starter policy
     result = run_demo(settings, minutes, users, seed, max_tokens=24, out_dir=out, console=console)
     # The per-version table is printed above; the curve is in the plot and summary.json.

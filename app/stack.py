@@ -52,6 +52,11 @@ DRAINED_GROUPS = {
 }
 
 
+# Every liverl component `up` starts, by the module it runs (compose.yaml runs the same).
+COMPONENTS = {"sink": "feedback.sink", "feedback": "feedback.stream", "api": "ingest.api",
+              "gateway": "serving.gateway", "learner": "learner.service", "controller": "promotion.controller"}
+
+
 class StackError(RuntimeError):
     """A component could not start or stop; the message names it and the fix."""
 
@@ -102,10 +107,10 @@ class Launcher:
                              f"{lines[-1] if lines else 'no output'}; see {self.log(name)}")
         raise StackError(f"{name} was not healthy after {timeout:.0f} s; see {self.log(name)}")
 
-    def python(self, name: str, module: str, port: int, *args: str, background: bool = False) -> None:
+    def python(self, name: str, port: int, *args: str, background: bool = False) -> None:
         """A liverl component; `background` ones (the stream) run niced, on `stream_cpus`."""
         url = self.settings.url(port)
-        argv = [sys.executable, "-m", module, *args]
+        argv = [sys.executable, "-m", COMPONENTS[name], *args]
         if background:
             argv = ["nice", "-n", str(self.settings.stream_nice), *argv]
             if self.settings.stream_cpus:
@@ -171,8 +176,13 @@ def starter_version(settings: Settings, progress: bool) -> tuple[str, Path]:
     return v0.version, Path(v0.model_dir)
 
 
+def running(settings: Settings) -> bool:
+    """Whether a stack started in `settings.data_dir` still has a live component."""
+    return (existing := read_manifest(settings)) is not None and any(alive(c.pid) for c in existing.components)
+
+
 def up(settings: Settings, say: Callable[[str], None] = print, progress: bool = True) -> Manifest:
-    if (existing := read_manifest(settings)) and any(alive(c.pid) for c in existing.components):
+    if running(settings):
         raise StackError("the stack is already running; `liverl status` shows it, `liverl down` stops it")
     check_ports(settings)
     if not settings.serving.python.exists():
@@ -198,21 +208,21 @@ def up(settings: Settings, say: Callable[[str], None] = print, progress: bool = 
             launcher.wait("broker", process, lambda: not port_free(settings.host, settings.broker.port), 30)
             say(f"  broker     {settings.bootstrap} (cluster {cluster_id})")
         asyncio.run(ensure_topics(settings))
-        launcher.python("sink", "feedback.sink", settings.ports.sink, background=True)
-        launcher.python("feedback", "feedback.stream", settings.ports.feedback, "worker",
+        launcher.python("sink", settings.ports.sink, background=True)
+        launcher.python("feedback", settings.ports.feedback, "worker",
                         "-l", "warn", "--web-port", str(settings.ports.feedback),
                         "--web-host", settings.host, background=True)
-        launcher.python("api", "ingest.api", settings.ports.api)
+        launcher.python("api", settings.ports.api)
         started = [launch_replica(settings, f"replica-{i}", model_dir, replica_url(settings, i), version)
                    for i in range(settings.serving.replicas)]
         write_pool(settings, Pool(replicas=[r for r, _ in started]))  # so a failure below stops them
         for replica, process in started:
             wait_replica(settings, replica, process)
             say(f"  {replica.name:<10} {replica.url} serving {version}")
-        launcher.python("gateway", "serving.gateway", settings.ports.gateway)
+        launcher.python("gateway", settings.ports.gateway)
         if settings.learner.enabled:
-            launcher.python("learner", "learner.service", settings.ports.learner)
-        launcher.python("controller", "promotion.controller", settings.ports.controller)
+            launcher.python("learner", settings.ports.learner)
+        launcher.python("controller", settings.ports.controller)
     except (StackError, ReplicaError, OSError) as error:
         stop_all(settings, launcher.started)
         raise StackError(str(error)) from None

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx
 
-from app.stack import child_env
+from app.stack import COMPONENTS, child_env
 from liverl.keys import admin_headers
 from liverl.manifest import read_manifest
 from liverl.process import spawn, stop_pid
@@ -37,13 +37,13 @@ def item(event_id: str, body: dict, type: str = "feedback") -> dict:
     return {"id": event_id, "type": type, "timestamp": "2026-11-22T12:00:00Z", "body": body}
 
 
-def restart_component(settings: Settings, name: str, module: str, env: dict[str, str]) -> int:
+def restart_component(settings: Settings, name: str, env: dict[str, str]) -> int:
     """Stop one of the stack's components and start it again with `env` added to its
     environment (a fault to inject, a setting to change); the manifest follows."""
     manifest = read_manifest(settings)
     component = next(c for c in manifest.components if c.name == name)
     stop_pid(component.pid)
-    process = spawn([sys.executable, "-m", module], dict(child_env(settings), **env), Path(component.log))
+    process = spawn([sys.executable, "-m", COMPONENTS[name]], dict(child_env(settings), **env), Path(component.log))
     component.pid = process.pid
     (settings.run_dir / "stack.json").write_text(manifest.model_dump_json(indent=2))
     return process.pid

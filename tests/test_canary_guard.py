@@ -68,7 +68,7 @@ def test_a_clearly_worse_canary_is_aborted_and_the_learner_rewinds(settings, sta
     wait_for(lambda: learner_health(settings) and controller_idle(settings), timeout=120)
     guard = {"LIVERL_PROMOTION__CANARY_GUARD": "true", "LIVERL_PROMOTION__JUDGE_AFTER_S": "0",
              "LIVERL_PROMOTION__MIN_SAMPLES": "30", "LIVERL_PROMOTION__POLL_S": "0.5"}
-    restart_component(settings, "controller", "promotion.controller", guard)
+    restart_component(settings, "controller", guard)
     stop, served, threads = threading.Event(), {}, []
     try:
         stable = registry.stable()
@@ -97,7 +97,7 @@ def test_a_clearly_worse_canary_is_aborted_and_the_learner_rewinds(settings, sta
         stop.set()
         for t in threads:
             t.join(timeout=60)
-        restart_component(settings, "controller", "promotion.controller", {})
+        restart_component(settings, "controller", {})
         httpx.post(learner + "/resume", headers=admin_headers(settings), timeout=10)
     # The learner continues from stable, not from the aborted version.
     wait_for(lambda: (health := learner_health(settings)) and health["version"] == stable.version, timeout=60)

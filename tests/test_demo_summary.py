@@ -1,6 +1,8 @@
-"""The demo's summary reports what users saw, not the best version's (biased) rate."""
+"""The demo reports what users saw, not the best version's (biased) rate, and never wipes a running demo."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -33,3 +35,23 @@ def test_the_last_two_minutes_and_the_time_to_forty_points():
 def test_a_run_that_never_rose_forty_points_says_so():
     tallies = {"v0": tally(0, [i % 10 == 0 for i in range(300)])}
     assert summary(tallies)["time_to_plus_40_s"] is None
+
+
+def test_a_second_demo_refuses_to_wipe_a_running_one(tmp_path, monkeypatch):
+    """`liverl demo` starts by wiping its data directory; a second one started while the
+    first runs must refuse, not delete the running demo's registry under it."""
+    from typer.testing import CliRunner
+
+    from app.cli import app
+    from app.demo import demo_settings
+    from liverl.manifest import Component, Manifest, manifest_file
+
+    monkeypatch.setenv("LIVERL_DATA_DIR", str(tmp_path))
+    settings = demo_settings()
+    manifest_file(settings).parent.mkdir(parents=True)
+    alive_component = Component(name="learner", pid=os.getpid(), log="learner.log")
+    manifest_file(settings).write_text(Manifest(cluster_id="c", started_at=0, components=[alive_component])
+                                       .model_dump_json())
+    result = CliRunner().invoke(app, ["demo", "--minutes", "0.1"])
+    assert result.exit_code == 1 and "already running" in result.output
+    assert manifest_file(settings).exists()

@@ -66,7 +66,7 @@ def paused_learner(settings, stack):
 
 
 def restart_learner(settings, fault: str | None = None) -> int:
-    return restart_component(settings, "learner", "learner.service", {"LIVERL_FAULT": fault} if fault else {})
+    return restart_component(settings, "learner", {"LIVERL_FAULT": fault} if fault else {})
 
 
 def test_learner_killed_after_publish_loses_and_duplicates_nothing(settings, api):
