@@ -7,7 +7,8 @@ from the starter policy), with any `--set VAR=VALUE` settings in its environment
 summary.json, prints a table (each run, the median and the range) and plots every run's
 learning curve on one figure.
 
-    .venv/bin/python benchmarks/bench_learning.py --seeds 0 1 2 3 4 --minutes 10 --out bench-learning/guard
+    .venv/bin/python benchmarks/bench_learning.py --seeds 0 --seeds 1 --seeds 2 --seeds 3 --seeds 4 \
+        --minutes 10 --out bench-learning/guard
 """
 
 from __future__ import annotations
@@ -90,7 +91,33 @@ def main(seeds: list[int] = typer.Option([0, 1, 2, 3, 4], help="One demo run per
                   f"({len(rises)} of {len(rows)} runs got there)")
     (out / "runs.json").write_text(json.dumps(rows, indent=2))
     plot(results, out / "curves.png")
-    console.print(f"plot: {out / 'curves.png'}")
+    (out / "report.md").write_text(report(rows, minutes, set_))
+    console.print(f"plot: {out / 'curves.png'}; table for docs/benchmarks.md: {out / 'report.md'}")
+
+
+def report(rows: list[dict], minutes: float, set_: list[str]) -> str:
+    """The runs as a markdown table, with the command, the machine and the date."""
+    import platform
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    seeds = " ".join(f"--seeds {r['seed']}" for r in rows)
+    lines = [f"`.venv/bin/python benchmarks/bench_learning.py {seeds} --minutes {minutes:g}"
+             + "".join(f" --set {s}" for s in set_) + "`",
+             "", f"{time.strftime('%a %b %d %H:%M UTC %Y', time.gmtime())}; {cpu}, {os.cpu_count()} CPUs", "",
+             "| seed | starter | last two minutes (95% CI) | +40 points at | versions served | stopped by the guard | stable regressions |",
+             "|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lo, hi = r["last_2_min_ci"]
+        rise = f"{r['time_to_plus_40_s']:.0f} s" if r["time_to_plus_40_s"] is not None else "not reached"
+        lines.append(f"| {r['seed']} | {r['starter']:.3f} | {r['last_2_min']:.3f} [{lo:.3f}, {hi:.3f}] | {rise} | "
+                     f"{r['versions']} | {r['guard_stopped']} | {r['stable_regressions']} |")
+    last = [r["last_2_min"] for r in rows]
+    rises = [r["time_to_plus_40_s"] for r in rows if r["time_to_plus_40_s"] is not None]
+    lines += ["", f"Last two minutes: median {statistics.median(last):.3f}, range {min(last):.3f}-{max(last):.3f}. "
+              f"+40 points: {len(rises)} of {len(rows)} runs"
+              + (f", median {statistics.median(rises):.0f} s" if rises else "") + "."]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
