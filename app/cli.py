@@ -213,66 +213,153 @@ def dlq_replay(event_id: str, payload_file: Optional[Path] = typer.Option(
 
 
 # --- policies -------------------------------------------------------------------------------
-policy_app = typer.Typer(help="Policy versions: lineage, state, promotion.")
+policy_app = typer.Typer(help="Policy versions: lineage, state, promotion, rollback, pins.")
 app.add_typer(policy_app, name="policy")
+Json = typer.Option(False, "--json", help="Print JSON instead of a table.")
+ChangeReason = typer.Option(..., "--reason", help="Why (kept in the version's history and the audit log).")
+
+
+def show(rows: list[dict], title: str, as_json: bool) -> None:
+    if as_json:
+        console.print_json(json.dumps(rows, default=str))
+    else:
+        print_rows(rows, title)
+
+
+def change(settings: Settings, action: str, path: str, body: dict, act_here) -> dict:
+    """A state change goes through the promotion controller's admin API, which serialises
+    it with the controller's own moves; with the controller down, the CLI acts itself
+    (a rollback at 3 a.m. must not wait for the controller), audited as the OS user."""
+    from liverl.keys import admin_headers
+
+    try:
+        response = httpx.post(settings.url(settings.ports.controller) + path, json=body,
+                              headers=admin_headers(settings), timeout=900)
+    except httpx.ConnectError:
+        console.print("[yellow]the promotion controller is not reachable; acting directly[/yellow]")
+        try:
+            result = act_here()
+        except (KeyError, ValueError, RuntimeError) as error:
+            fail(error.args[0] if isinstance(error, KeyError) else str(error))
+        operator_audit(settings, action, path, reason=body["reason"])
+        return result.model_dump()
+    if response.is_error:
+        fail(response.json().get("detail", response.text) if "json" in response.headers.get("content-type", "")
+             else response.text)
+    return response.json()
 
 
 @policy_app.command("list")
-def policy_list(data_dir: Optional[Path] = DataDir) -> None:
+def policy_list(data_dir: Optional[Path] = DataDir, as_json: bool = Json) -> None:
     from policies.registry import Registry
 
     rows = [dict(version=v.version, parent=v.parent, state=v.state,
                  samples=v.window.samples if v.window else "", reward=round(v.metrics.get("mean_reward", 0), 3),
-                 gate=(v.metrics.get("gate") or {}).get("reason", ""), hash=v.content_hash[:12])
+                 gate=(v.metrics.get("gate") or {}).get("reason", ""),
+                 canary=(v.metrics.get("canary") or {}).get("verdict", ""), hash=v.content_hash[:12])
             for v in Registry(settings_from(data_dir).policies_dir).versions()]
-    print_rows(rows, "policy versions")
+    show(rows, "policy versions", as_json)
 
 
 @policy_app.command("show")
-def policy_show(version: str, data_dir: Optional[Path] = DataDir) -> None:
+def policy_show(version: str, data_dir: Optional[Path] = DataDir, as_json: bool = Json) -> None:
+    """A version's record (parent, sample window, gate and canary figures) and its history."""
     from policies.registry import Registry
 
     registry = Registry(settings_from(data_dir).policies_dir)
     try:
-        console.print_json(registry.get(version).model_dump_json())
+        record = registry.get(version)
     except KeyError as error:
-        fail(str(error))
+        fail(error.args[0])
+    if as_json:
+        console.print_json(json.dumps({"version": record.model_dump(), "history": registry.history(version)}))
+        return
+    console.print_json(record.model_dump_json())
     print_rows(registry.history(version), f"history of {version}")
 
 
 @policy_app.command("promote")
-def policy_promote(version: str, data_dir: Optional[Path] = DataDir,
-                   actor: str = typer.Option("cli", help="Who promotes (recorded in the audit log).")) -> None:
+def policy_promote(version: str, reason: str = ChangeReason, data_dir: Optional[Path] = DataDir,
+                   as_json: bool = Json) -> None:
     """Roll a version out: one canary replica verified, then every replica."""
     from policies.registry import Registry
     from promotion.promoter import Promoter
 
     settings = settings_from(data_dir)
-    registry = Registry(settings.policies_dir)
-    try:
-        result = Promoter(settings, registry).promote(version, actor)
-    except (KeyError, ValueError) as error:
-        fail(str(error))
-    console.print(f"{version}: {result.state}")
+    result = change(settings, "policy.promote", f"/admin/policies/{version}/promote", {"reason": reason},
+                    lambda: Promoter(settings, Registry(settings.policies_dir)).promote(version, "cli", reason))
+    console.print_json(json.dumps(result)) if as_json else console.print(f"{version}: {result['state']}")
 
 
-@policy_app.command("rollback")
-def policy_rollback(reason: str = typer.Option(..., help="Why (recorded in the audit log)."),
-                    data_dir: Optional[Path] = DataDir,
-                    actor: str = typer.Option("cli", help="Who rolls back (recorded in the audit log)."),
-                    to: Optional[str] = typer.Option(None, help="The version to put back (default: the "
-                                                     "previous stable one).")) -> None:
-    """Take the stable version out of serving: the previous stable one (or --to) returns
-    everywhere, verified, and the learner continues from it."""
+@policy_app.command("abort")
+def policy_abort(version: str, reason: str = ChangeReason, data_dir: Optional[Path] = DataDir,
+                 as_json: bool = Json) -> None:
+    """Take a canary off users: stable back on its replica, verified; the learner rewinds to stable."""
     from policies.registry import Registry
     from promotion.promoter import Promoter
 
     settings = settings_from(data_dir)
-    try:
-        result = Promoter(settings, Registry(settings.policies_dir)).rollback(actor, reason, to=to)
-    except (KeyError, ValueError, RuntimeError) as error:
-        fail(str(error))
-    console.print(f"{result.version}: {result.state}")
+    result = change(settings, "policy.abort", f"/admin/policies/{version}/abort", {"reason": reason},
+                    lambda: Promoter(settings, Registry(settings.policies_dir)).abort(version, "cli", reason))
+    console.print_json(json.dumps(result)) if as_json else console.print(f"{version}: {result['state']}")
+
+
+@policy_app.command("rollback")
+def policy_rollback(reason: str = ChangeReason, data_dir: Optional[Path] = DataDir,
+                    to: Optional[str] = typer.Option(None, help="The version to put back (default: the "
+                                                     "previous stable one)."), as_json: bool = Json) -> None:
+    """Take the stable version out of serving: the previous stable one (or --to) returns
+    everywhere, verified before this returns, and the learner continues from it."""
+    from policies.registry import Registry
+    from promotion.promoter import Promoter
+
+    settings = settings_from(data_dir)
+    result = change(settings, "policy.rollback", "/admin/rollback", {"reason": reason, "to": to},
+                    lambda: Promoter(settings, Registry(settings.policies_dir)).rollback("cli", reason, to=to))
+    console.print_json(json.dumps(result)) if as_json else console.print(f"{result['version']}: {result['state']}")
+
+
+def pin_command(pinned: bool, reason: str, data_dir: Optional[Path], as_json: bool) -> None:
+    from policies.registry import Registry
+
+    settings = settings_from(data_dir)
+    result = change(settings, "policy.pin" if pinned else "policy.unpin", "/admin/pin" if pinned else "/admin/unpin", {"reason": reason},
+                    lambda: Registry(settings.policies_dir).pin("stable", "cli", reason, pinned=pinned))
+    if as_json:
+        console.print_json(json.dumps(result))
+    else:
+        console.print(f"stable {'pinned at ' + str(result['version']) if pinned else 'unpinned'}")
+
+
+@policy_app.command("pin")
+def policy_pin(reason: str = ChangeReason, data_dir: Optional[Path] = DataDir, as_json: bool = Json) -> None:
+    """Hold stable where it is: no automatic promotion until unpinned (the guard still
+    aborts a clearly worse canary)."""
+    pin_command(True, reason, data_dir, as_json)
+
+
+@policy_app.command("unpin")
+def policy_unpin(reason: str = ChangeReason, data_dir: Optional[Path] = DataDir, as_json: bool = Json) -> None:
+    pin_command(False, reason, data_dir, as_json)
+
+
+@policy_app.command("history")
+def policy_history(version: Optional[str] = typer.Argument(None, help="One version's (default: all)."),
+                   data_dir: Optional[Path] = DataDir, as_json: bool = Json) -> None:
+    """Every state change and pin, oldest first: who, when, why."""
+    from datetime import datetime, timezone
+
+    from policies.registry import Registry
+
+    registry = Registry(settings_from(data_dir).policies_dir)
+    rows = [dict(e, at=datetime.fromtimestamp(e["at"], timezone.utc).isoformat(timespec="seconds"))
+            for e in registry.history(version)]
+    if version is None:
+        rows += [dict(version=p.version, at=datetime.fromtimestamp(p.at, timezone.utc).isoformat(timespec="seconds"),
+                      **{"from": "", "to": "pinned" if p.pinned else "unpinned"}, actor=p.actor, reason=p.reason)
+                 for p in registry.pins()]
+        rows.sort(key=lambda r: r["at"])
+    show(rows, f"history of {version or 'every version'}", as_json)
 
 
 # --- demo ------------------------------------------------------------------------------------
@@ -298,7 +385,7 @@ def demo(minutes: float = typer.Option(10.0, help="How long the simulated produc
 
 
 # --- learner --------------------------------------------------------------------------------
-learner_app = typer.Typer(help="The learner: pause or resume learning.")
+learner_app = typer.Typer(help="The learner: its status; pause or resume learning.")
 app.add_typer(learner_app, name="learner")
 
 
@@ -323,6 +410,25 @@ Reason = typer.Option(..., "--reason", help="Why (recorded in the audit log).")
 def learner_pause(reason: str = Reason, data_dir: Optional[Path] = DataDir) -> None:
     """Stop consuming and writing versions (serving is untouched)."""
     learner_call(data_dir, "pause", reason)
+
+
+@learner_app.command("status")
+def learner_status(data_dir: Optional[Path] = DataDir, as_json: bool = Json) -> None:
+    """The version it trains on top of, samples waiting, paused or not, and what it dropped."""
+    settings = settings_from(data_dir)
+    try:
+        health = httpx.get(settings.url(settings.ports.learner) + "/health", timeout=10).json()
+    except httpx.TransportError:
+        fail("the learner is not reachable; is the stack up (`liverl status`)?")
+    from policies.registry import Registry
+
+    stable = Registry(settings.policies_dir).stable()
+    health["stable"] = stable.version if stable else None
+    health["versions_ahead_of_stable"] = (int(health["version"][1:]) - stable.seq) if stable else None
+    if as_json:
+        console.print_json(json.dumps(health))
+    else:
+        print_rows([{k: v for k, v in health.items() if k != "ok"}], "learner")
 
 
 @learner_app.command("resume")

@@ -273,7 +273,7 @@ def create_app(settings: Settings) -> tuple[FastAPI, Learner]:
     @app.get("/health")
     def health() -> dict:
         return {"ok": True, "version": learner.current.version, "pending": len(learner.pending),
-                "paused": learner.paused.is_set()}
+                "paused": learner.paused.is_set(), "dropped_since_last_version": dict(learner.dropped)}
 
     @app.post("/pause")
     def pause(reason: str = "", key: KeyRecord = Depends(require_admin)) -> dict:

@@ -58,6 +58,10 @@ CREATE TABLE IF NOT EXISTS rewinds (
     id INTEGER PRIMARY KEY AUTOINCREMENT, version TEXT, at REAL, after_seq INTEGER,
     actor TEXT, reason TEXT
 );
+CREATE TABLE IF NOT EXISTS pins (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, alias TEXT, version TEXT, at REAL, actor TEXT,
+    reason TEXT, pinned INTEGER
+);
 CREATE TABLE IF NOT EXISTS trained_samples (sample_id TEXT PRIMARY KEY, version TEXT);
 CREATE TABLE IF NOT EXISTS offsets (
     cluster_id TEXT, topic TEXT, partition INTEGER, next_offset INTEGER,
@@ -97,6 +101,18 @@ class Rewind(BaseModel):
     after_seq: int = Field(description="The newest version's seq when the rewind was asked.")
     actor: str
     reason: str
+
+
+class Pin(BaseModel):
+    """On-call holds what an alias serves: no automatic promotion moves it while pinned
+    (the guard still aborts a clearly worse canary)."""
+
+    alias: str
+    version: str | None = Field(description="What the alias served when pinned.")
+    at: float
+    actor: str
+    reason: str
+    pinned: bool
 
 
 class PolicyVersion(BaseModel):
@@ -260,6 +276,35 @@ class Registry:
             topic, _, partition = key.rpartition(":")
             db.execute("INSERT OR REPLACE INTO offsets VALUES (?,?,?,?)",
                        (cluster_id, topic, int(partition), offset))
+
+    def check(self, version: str, to_state: State, reason: str) -> PolicyVersion:
+        """The version, if it may move to `to_state` for `reason`; IllegalTransition if not
+        (before anyone touches a replica for a move that would be refused)."""
+        record = self.get(version)
+        check_transition(version, record.state, to_state, reason)
+        return record
+
+    def pin(self, alias: str, actor: str, reason: str, pinned: bool = True) -> Pin:
+        """Pin (or unpin) an alias; each call is kept, so the pins' history is the table."""
+        if not reason or not reason.strip():
+            raise IllegalTransition(f"a reason is required to {'pin' if pinned else 'unpin'} {alias}")
+        if alias != "stable":
+            raise KeyError(f"no alias {alias!r} (aliases: stable)")
+        current = self.stable()
+        with self.transaction() as db:
+            db.execute("INSERT INTO pins (alias, version, at, actor, reason, pinned) VALUES (?,?,?,?,?,?)",
+                       (alias, current.version if current else None, time.time(), actor, reason, int(pinned)))
+        return self.pins()[-1]
+
+    def pins(self) -> list[Pin]:
+        """Every pin and unpin, oldest first."""
+        rows = self.db.execute("SELECT alias, version, at, actor, reason, pinned FROM pins ORDER BY id")
+        return [Pin(**dict(zip(("alias", "version", "at", "actor", "reason", "pinned"), r))) for r in rows]
+
+    def pinned(self, alias: str = "stable") -> Pin | None:
+        """The alias's pin, if it is pinned now."""
+        latest = [p for p in self.pins() if p.alias == alias][-1:]
+        return latest[0] if latest and latest[0].pinned else None
 
     def transition(self, version: str, to_state: State, actor: str, reason: str) -> PolicyVersion:
         with self.transaction() as db:

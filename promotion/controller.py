@@ -26,22 +26,27 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 import uvicorn
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI, HTTPException
+from pydantic import BaseModel, Field, field_validator
 
-from liverl.keys import admin_headers
+from liverl.audit import AuditLog
+from liverl.keys import KeyRecord, KeyStore, admin_headers, require_admin
 from liverl.observability import log, mount_metrics, setup_logging
 from liverl.pool import read_pool
 from liverl.settings import Settings, get_settings
-from policies.registry import PolicyVersion, Registry
+from policies.registry import Pin, PolicyVersion, Registry
 from promotion.promoter import Promoter
 from promotion.sequential import Arm, Comparison, compare, confidence_sequence
 
 ACTOR = "controller"
+T = TypeVar("T")
 logger = setup_logging("controller")
 
 
@@ -72,6 +77,8 @@ class Controller:
         self.last_error: str | None = None
         self.waiting: str | None = None  # the candidate that waits, logged once
         self.next_slide_check = 0.0
+        # One change at a time: the loop's look and on-call's commands (the admin API).
+        self.lock = threading.RLock()
 
     @property
     def judge_after_s(self) -> float:
@@ -91,6 +98,9 @@ class Controller:
             for older in canaries[:-1]:  # one canary at a time; a crash may have left two
                 self.promoter.abort(older.version, ACTOR, f"{canaries[-1].version} is the canary")
             return self.judge(canaries[-1])
+        if pin := self.registry.pinned():
+            self.state = f"stable pinned at {pin.version} by {pin.actor}: {pin.reason}"
+            return
         if self.config.canary_guard and time.time() >= self.next_slide_check:
             self.next_slide_check = time.time() + 10 * self.config.poll_s
             self.guard_slide()
@@ -161,6 +171,10 @@ class Controller:
             # Not the controller's: `liverl policy promote` put it there and finishes it.
             self.state = f"{canary.version} is in canary by hand; left to whoever put it there"
             return
+        pin = self.registry.pinned()
+        if not self.config.canary_guard and pin:
+            self.state = f"{canary.version} waits: stable pinned by {pin.actor}"
+            return
         if not self.config.canary_guard:
             try:
                 self.promoter.finish(canary.version, ACTOR, "every replica verified")
@@ -183,7 +197,7 @@ class Controller:
         info = dict(info, verdict=verdict, seconds=round(age, 1), comparisons=[c.model_dump() for c in comparisons])
         self.registry.update_metrics(canary.version, canary=info)
         if verdict == "continue":
-            if canary_n >= self.config.canary_refresh_samples and (newer := self.newer_candidate(canary)):
+            if canary_n >= self.config.canary_refresh_samples and not pin and (newer := self.newer_candidate(canary)):
                 # Undecided is not worse: the newer candidate takes the canary's place, and
                 # the learner's chain goes on (nothing was taken off users for its quality).
                 self.promoter.transition(canary.version, "superseded", ACTOR,
@@ -196,6 +210,9 @@ class Controller:
         figures_text = "; ".join(f"{c.metric} {c.canary_mean:.3f} vs {c.stable_mean:.3f} "
                                  f"(n {c.canary_n}/{c.stable_n}, difference in [{c.low:+.3f}, {c.high:+.3f}])"
                                  for c in comparisons)
+        if verdict == "non_inferior" and pin:
+            self.state = f"{canary.version} non-inferior; stable pinned by {pin.actor}, so it waits"
+            return
         if verdict == "non_inferior":
             self.promoter.finish(canary.version, ACTOR, f"canary non-inferior to {stable.version}: {figures_text}")
             return
@@ -264,24 +281,104 @@ class Controller:
     def run(self, stop: threading.Event) -> None:
         while not stop.is_set():
             try:
-                self.step()
+                with self.lock:
+                    self.step()
             except Exception as error:  # the controller survives any one look, and says why
                 self.last_error = f"{type(error).__name__}: {error}"[:500]
                 log(logger, "controller step failed", error=self.last_error)
             stop.wait(self.config.poll_s)
 
 
+class Reason(BaseModel):
+    reason: str = Field(min_length=1, description="Why: kept in the version's history and the audit log.")
+
+    @field_validator("reason")
+    @classmethod
+    def not_blank(cls, reason: str) -> str:
+        if not reason.strip():
+            raise ValueError("a reason is required")
+        return reason.strip()
+
+
+class RollbackRequest(Reason):
+    to: str | None = Field(None, description="The version to put back (default: the previous stable one).")
+
+
+class PolicyDetail(BaseModel):
+    version: PolicyVersion
+    history: list[dict] = Field(description="Every state change: version, at, from, to, actor, reason.")
+
+
 def create_app(controller: Controller) -> FastAPI:
+    """Health, and on-call's API (admin key): the `liverl policy` commands over HTTP, each
+    taking the controller's lock so it never interleaves with the controller's own moves."""
     app = FastAPI(title="liverl promotion controller")
+    app.state.keys = KeyStore(controller.settings.keys_file)
+    audit = AuditLog(controller.settings.audit_file)
+    registry, promoter = controller.registry, controller.promoter
     mount_metrics(app)
 
     @app.get("/health")
     def health() -> dict:
-        canary = controller.registry.in_state("canary")
-        stable = controller.registry.stable()
+        canary = registry.in_state("canary")
+        stable = registry.stable()
+        pin = registry.pinned()
         return {"ok": True, "state": controller.state, "last_error": controller.last_error,
                 "stable": stable.version if stable else None,
-                "canary": canary[-1].version if canary else None}
+                "canary": canary[-1].version if canary else None, "pinned": pin is not None}
+
+    def act(key: KeyRecord, action: str, target: str, reason: str, change: Callable[[], T]) -> T:
+        """One change by on-call: under the lock, refused with the reason when illegal, audited."""
+        with controller.lock:
+            try:
+                result = change()
+            except KeyError as error:
+                raise HTTPException(404, error.args[0]) from None
+            except ValueError as error:  # IllegalTransition included: the message says what is allowed
+                raise HTTPException(409, str(error)) from None
+            except RuntimeError as error:  # a swap that failed verification: replicas are back on stable
+                raise HTTPException(502, str(error)) from None
+        audit.record(key.key_id, action, target, reason)
+        return result
+
+    @app.get("/admin/policies")
+    def policies(key: KeyRecord = Depends(require_admin)) -> list[PolicyVersion]:
+        return registry.versions()
+
+    @app.get("/admin/policies/{version}")
+    def policy(version: str, key: KeyRecord = Depends(require_admin)) -> PolicyDetail:
+        try:
+            return PolicyDetail(version=registry.get(version), history=registry.history(version))
+        except KeyError as error:
+            raise HTTPException(404, error.args[0]) from None
+
+    @app.post("/admin/policies/{version}/promote")
+    def promote(version: str, body: Reason, key: KeyRecord = Depends(require_admin)) -> PolicyVersion:
+        """Canary then every replica, each verified; returns when it serves everywhere."""
+        return act(key, "policy.promote", version, body.reason,
+                   lambda: promoter.promote(version, key.key_id, body.reason))
+
+    @app.post("/admin/policies/{version}/abort")
+    def abort(version: str, body: Reason, key: KeyRecord = Depends(require_admin)) -> PolicyVersion:
+        """Take a canary off users: stable back on its replica (verified), the learner rewinds."""
+        return act(key, "policy.abort", version, body.reason,
+                   lambda: promoter.abort(version, key.key_id, body.reason))
+
+    @app.post("/admin/rollback")
+    def rollback(body: RollbackRequest, key: KeyRecord = Depends(require_admin)) -> PolicyVersion:
+        """The previous stable (or `to`) back on every replica; returns once verified serving."""
+        return act(key, "policy.rollback", body.to or "previous stable", body.reason,
+                   lambda: promoter.rollback(key.key_id, body.reason, to=body.to))
+
+    @app.post("/admin/pin")
+    def pin(body: Reason, key: KeyRecord = Depends(require_admin)) -> Pin:
+        """No automatic promotion moves stable until unpinned (a worse canary is still aborted)."""
+        return act(key, "policy.pin", "stable", body.reason, lambda: registry.pin("stable", key.key_id, body.reason))
+
+    @app.post("/admin/unpin")
+    def unpin(body: Reason, key: KeyRecord = Depends(require_admin)) -> Pin:
+        return act(key, "policy.unpin", "stable", body.reason,
+                   lambda: registry.pin("stable", key.key_id, body.reason, pinned=False))
 
     return app
 

@@ -53,7 +53,7 @@ class Promoter:
         from serving.swap import replace_replica
 
         model_dir = self.weights(version)
-        if self.registry.get(version).state != "canary":  # not when resuming a canary's swap
+        if self.registry.check(version, "canary", reason).state != "canary":  # not when resuming its swap
             self.transition(version, "canary", actor, reason)
         stable = self.registry.stable()
         others = [r for r in read_pool(self.settings).replicas if r.policy_version != version]
@@ -96,6 +96,7 @@ class Promoter:
         continue from stable rather than from it (a failed swap says nothing about that)."""
         from serving.swap import roll_out
 
+        self.registry.check(version, state, reason)
         stable = self.registry.stable()
         if stable:
             failed = [r for r in roll_out(self.settings, stable.version, self.weights(stable.version)) if not r.ok]
@@ -120,6 +121,10 @@ class Promoter:
             if not earlier:
                 raise KeyError(f"{current.version} is the first stable version; nothing to roll back to")
             to = earlier[-1]
+        if to == current.version:
+            raise ValueError(f"{to} is stable already; roll back to an earlier version")
+        self.registry.check(current.version, "rolled_back", reason)
+        self.registry.check(to, "stable", reason)
         failed = [r for r in roll_out(self.settings, to, self.weights(to)) if not r.ok]
         if failed:
             raise RuntimeError(f"rollback to {to} failed on {failed[0].replica}: {failed[0].error}")

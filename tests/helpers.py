@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -47,3 +49,31 @@ def restart_component(settings: Settings, name: str, env: dict[str, str]) -> int
     component.pid = process.pid
     (settings.run_dir / "stack.json").write_text(manifest.model_dump_json(indent=2))
     return process.pid
+
+
+@contextmanager
+def serving_load(settings: Settings, tenant_key: str, clients: int = 3) -> Iterator[list[int]]:
+    """`clients` users sending completions through the gateway without pause while the
+    block runs; yields the status code of every answer so far (after at least five)."""
+    statuses: list[int] = []
+    stop = threading.Event()
+
+    def load() -> None:
+        with httpx.Client(timeout=120, headers={"Authorization": f"Bearer {tenant_key}"}) as client:
+            while not stop.is_set():
+                r = client.post(settings.url(settings.ports.gateway) + "/v1/completions",
+                                json={"model": "liverl", "prompt": "def f():\n", "max_tokens": 16})
+                statuses.append(r.status_code)
+
+    threads = [threading.Thread(target=load) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    try:
+        wait_for(lambda: len(statuses) > 5)
+        yield statuses
+        before_end = len(statuses)
+        wait_for(lambda: len(statuses) > before_end + 5)  # still served after the change
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()

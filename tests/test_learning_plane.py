@@ -5,13 +5,12 @@ demo in small: simulated users whose hidden preference the served policy learns.
 from __future__ import annotations
 
 import shutil
-import threading
 import uuid
 
 import httpx
 import pytest
 import torch
-from helpers import item, restart_component, wait_for
+from helpers import item, restart_component, serving_load, wait_for
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
@@ -143,28 +142,8 @@ def test_swap_under_load_drops_no_request(settings, dev_keys, paused_learner):
     if read_pool(settings).replicas[0].policy_version == target.version:
         target = registry.get(target.parent)
     assert len(read_pool(settings).replicas) >= 2, "the test stack runs several replicas"
-    statuses: list[int] = []
-    stop = threading.Event()
-
-    def load() -> None:
-        with httpx.Client(timeout=120, headers={"Authorization": f"Bearer {dev_keys['tenant_key']}"}) as c:
-            while not stop.is_set():
-                r = c.post(settings.url(settings.ports.gateway) + "/v1/completions",
-                           json={"model": "liverl", "prompt": "def f():\n", "max_tokens": 16})
-                statuses.append(r.status_code)
-
-    threads = [threading.Thread(target=load) for _ in range(3)]
-    for t in threads:
-        t.start()
-    try:
-        wait_for(lambda: len(statuses) > 5)
+    with serving_load(settings, dev_keys["tenant_key"]) as statuses:
         result = Promoter(settings, registry).promote(target.version, "test")
-        before_end = len(statuses)
-        wait_for(lambda: len(statuses) > before_end + 5)
-    finally:
-        stop.set()
-        for t in threads:
-            t.join()
     assert result.state == "stable"
     assert set(statuses) == {200}
     assert all(r.policy_version == target.version for r in read_pool(settings).replicas)
