@@ -14,7 +14,7 @@ from liverl.contracts import PolicyVersionEvent, Topics
 from liverl.kafka import encode, produce_sync
 from liverl.observability import log, setup_logging
 from liverl.settings import Settings
-from policies.registry import PolicyVersion, Registry, State
+from policies.registry import REJECTED, PolicyVersion, Registry, State
 
 logger = setup_logging("promotion")
 
@@ -116,8 +116,9 @@ class Promoter:
         if current is None:
             raise KeyError("no stable version to roll back")
         if to is None:
-            earlier = [e["version"] for e in self.registry.history()
-                       if e["to"] == "stable" and e["version"] != current.version]
+            # The last stable before it that was not itself taken off users.
+            earlier = [e["version"] for e in self.registry.history() if e["to"] == "stable"
+                       and e["version"] != current.version and self.registry.get(e["version"]).state not in REJECTED]
             if not earlier:
                 raise KeyError(f"{current.version} is the first stable version; nothing to roll back to")
             to = earlier[-1]
