@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Optional
 
@@ -343,21 +344,60 @@ def policy_unpin(reason: str = ChangeReason, data_dir: Optional[Path] = DataDir,
     pin_command(False, reason, data_dir, as_json)
 
 
+def utc_text(t: float) -> str:
+    return datetime.fromtimestamp(t, timezone.utc).isoformat(timespec="seconds")
+
+
+SERVED_SQL = """SELECT policy_version, replica, count() AS requests, min(timestamp) AS first, max(timestamp) AS last
+FROM requests WHERE tenant = '{tenant}' AND timestamp >= '{since}' AND timestamp <= '{until}'
+GROUP BY policy_version, replica ORDER BY first"""
+
+
 @policy_app.command("history")
 def policy_history(version: Optional[str] = typer.Argument(None, help="One version's (default: all)."),
+                   tenant: Optional[str] = typer.Option(None, help="With --at: which version served this tenant."),
+                   at: Optional[datetime] = typer.Option(None, help="With --tenant: when (UTC)."),
+                   window_s: float = typer.Option(60.0, help="With --at: seconds either side of it."),
                    data_dir: Optional[Path] = DataDir, as_json: bool = Json) -> None:
-    """Every state change and pin, oldest first: who, when, why."""
-    from datetime import datetime, timezone
+    """Every state change and pin, oldest first: who, when, why. With --tenant and --at:
+    which versions served that tenant around that time (ClickHouse's request log), and
+    what was stable and canary then (the registry)."""
+    from pydantic import TypeAdapter, ValidationError
 
+    from liverl.contracts import TenantId
     from policies.registry import Registry
 
-    registry = Registry(settings_from(data_dir).policies_dir)
-    rows = [dict(e, at=datetime.fromtimestamp(e["at"], timezone.utc).isoformat(timespec="seconds"))
-            for e in registry.history(version)]
+    settings = settings_from(data_dir)
+    registry = Registry(settings.policies_dir)
+    if (tenant is None) != (at is None):
+        fail("--tenant and --at go together")
+    if tenant is not None:
+        try:
+            TypeAdapter(TenantId).validate_python(tenant)  # it goes into SQL: only a well-formed name
+        except ValidationError:
+            fail(f"{tenant!r} is not a tenant name (letters, digits, '.', '_', '-')")
+        at = at.replace(tzinfo=timezone.utc) if at.tzinfo is None else at.astimezone(timezone.utc)
+        bounds = [(at + timedelta(seconds=s)).strftime("%Y-%m-%d %H:%M:%S") for s in (-window_s, window_s)]
+        served = json.loads(run_sql(settings, SERVED_SQL.format(tenant=tenant, since=bounds[0], until=bounds[1]),
+                                    "json"))["data"]
+        states: dict[str, str] = {}
+        for event in registry.history():
+            if event["at"] <= at.timestamp():
+                states[event["version"]] = event["to"]
+        answer = {"tenant": tenant, "at": at.isoformat(), "served": served,
+                  "stable": [v for v, s in states.items() if s == "stable"],
+                  "canary": [v for v, s in states.items() if s == "canary"]}
+        if as_json:
+            console.print_json(json.dumps(answer))
+        else:
+            console.print(f"at {answer['at']}: stable {', '.join(answer['stable']) or '-'}, "
+                          f"canary {', '.join(answer['canary']) or '-'}")
+            print_rows(served, f"what served {tenant} within {window_s:g} s of {answer['at']}")
+        return
+    rows = [dict(e, at=utc_text(e["at"])) for e in registry.history(version)]
     if version is None:
-        rows += [dict(version=p.version, at=datetime.fromtimestamp(p.at, timezone.utc).isoformat(timespec="seconds"),
-                      **{"from": "", "to": "pinned" if p.pinned else "unpinned"}, actor=p.actor, reason=p.reason)
-                 for p in registry.pins()]
+        rows += [dict(version=p.version, at=utc_text(p.at), **{"from": "", "to": "pinned" if p.pinned else "unpinned"},
+                      actor=p.actor, reason=p.reason) for p in registry.pins()]
         rows.sort(key=lambda r: r["at"])
     show(rows, f"history of {version or 'every version'}", as_json)
 
@@ -442,7 +482,6 @@ def audit(limit: int = typer.Option(50, help="Newest entries to show."),
           as_json: bool = typer.Option(False, "--json", help="JSON lines instead of a table."),
           data_dir: Optional[Path] = DataDir) -> None:
     """Every admin action (keys, learner control, SQL, promotion), who took it and why."""
-    from datetime import datetime, timezone
 
     from liverl.audit import AuditLog
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from datetime import datetime, timezone
 
 import httpx
 import pytest
@@ -100,3 +101,14 @@ def test_rollback_through_the_api_under_load_drops_nothing_and_serves_everywhere
     assert last["reason"] == "users complain about the new one"
     assert last["actor"] == hash_key(admin_key(settings))[:12]  # the key that asked
     wait_for(lambda: controller_idle(settings), timeout=60)
+    # Which version served the load's tenant just now, from ClickHouse's request log.
+    now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S")
+
+    def served_now() -> dict | None:
+        result = CliRunner().invoke(app, ["policy", "history", "--tenant", "dev", "--at", now, "--json",
+                                          "--data-dir", str(settings.data_dir)])
+        answer = json.loads(result.output)
+        return answer if restored["version"] in {r["policy_version"] for r in answer["served"]} else None
+
+    answer = wait_for(served_now, timeout=90, interval=3)
+    assert answer["stable"] == [restored["version"]] and answer["canary"] == []
