@@ -16,6 +16,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    HttpUrl,
     SecretStr,
     ValidationError,
     field_serializer,
@@ -320,6 +321,10 @@ class PromotionConfig(Config):
                                    "accept rate is surely more than this below that version's.")
     slide_min_samples: int = Field(200, ge=10, description="Judged completions of each before the slide guard "
                                    "compares two stables.")
+    alert_webhook: HttpUrl | None = Field(None, description="Where the controller POSTs an alert (JSON, "
+                                          "docs/production.md) on every automatic abort or rollback and every "
+                                          "canary that needs a human; None: logs only.")
+    alert_timeout_s: float = Field(5.0, gt=0, description="How long one alert may take to deliver.")
 
     @model_validator(mode="after")
     def _samples(self):

@@ -92,6 +92,26 @@ class Controller:
         response.raise_for_status()
         return Figures(response.json())
 
+    def alert(self, event: str, version: str, reason: str, **figures: object) -> None:
+        """Tell a human, without waiting for them: POST the event to the alert webhook
+        (payload in docs/production.md). A webhook that fails is logged, never retried
+        into the controller's loop."""
+        log(logger, "alert", alert=event, version=version, reason=reason)
+        if self.config.alert_webhook is None:
+            return
+        stable = self.registry.stable()
+        payload = {"event": event, "version": version, "stable": stable.version if stable else None,
+                   "reason": reason, "at": utc(time.time()), "actor": ACTOR, **figures}
+
+        def send() -> None:
+            try:
+                httpx.post(str(self.config.alert_webhook), json=payload,
+                           timeout=self.config.alert_timeout_s).raise_for_status()
+            except httpx.HTTPError as error:
+                log(logger, "alert not delivered", alert=event, error=repr(error))
+
+        threading.Thread(target=send, daemon=True).start()
+
     # --- one look ----------------------------------------------------------------------------
     def step(self) -> None:
         if canaries := self.registry.in_state("canary"):
@@ -159,6 +179,7 @@ class Controller:
         self.last_error = f"{version}: {error}"[:500]
         log(logger, "promotion failed", version=version, error=error)
         self.registry.update_metrics(version, promotion_error=error)
+        self.alert("promotion_failed", version, error)
         if self.registry.get(version).state == "canary":
             self.promoter.abort(version, ACTOR, f"promotion failed: {error}", state="rolled_back")
         elif self.registry.get(version).state == "candidate":
@@ -219,6 +240,10 @@ class Controller:
         why = "clearly worse than" if verdict == "worse" else "not shown non-inferior to"
         reason = f"canary {why} {stable.version} after {age:.0f} s: {figures_text}"
         self.promoter.abort(canary.version, ACTOR, reason)
+        # Worse: taken off users automatically. Inconclusive: a human should look; with
+        # nobody to ask, stable stays.
+        self.alert("canary_aborted" if verdict == "worse" else "canary_needs_a_human", canary.version, reason,
+                   comparisons=info["comparisons"], seconds=info["seconds"])
 
     def newer_candidate(self, canary: PolicyVersion) -> PolicyVersion | None:
         """The newest candidate after `canary` that passed the offline gate, if any."""
@@ -277,6 +302,7 @@ class Controller:
         log(logger, "rolling back a slide", version=stable.version, to=best[0], reason=reason)
         self.state = f"rolling back {stable.version} to {best[0]}"
         self.promoter.rollback(ACTOR, reason, to=best[0])
+        self.alert("stable_rolled_back", stable.version, reason, restored=best[0])
 
     def run(self, stop: threading.Event) -> None:
         while not stop.is_set():

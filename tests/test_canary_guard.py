@@ -8,6 +8,7 @@ import json
 import shutil
 import threading
 import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -61,13 +62,33 @@ def users(settings, key: str, marker: str, stop: threading.Event, served: dict[s
             "kind": "accept" if ok else "reject", "completion_id": body["completion_id"]})]})
 
 
+def alert_receiver() -> tuple[list[dict], ThreadingHTTPServer]:
+    """A webhook endpoint on a free port that keeps every alert POSTed to it."""
+    alerts: list[dict] = []
+
+    class Receiver(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            alerts.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(204)
+            self.end_headers()
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Receiver)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return alerts, server
+
+
 def test_a_clearly_worse_canary_is_aborted_and_the_learner_rewinds(settings, stack, dev_keys):
     registry = Registry(settings.policies_dir)
     learner = settings.url(settings.ports.learner)
     httpx.post(learner + "/pause", headers=admin_headers(settings), timeout=10)
     wait_for(lambda: learner_health(settings) and controller_idle(settings), timeout=120)
+    alerts, webhook = alert_receiver()
     guard = {"LIVERL_PROMOTION__CANARY_GUARD": "true", "LIVERL_PROMOTION__JUDGE_AFTER_S": "0",
-             "LIVERL_PROMOTION__MIN_SAMPLES": "30", "LIVERL_PROMOTION__POLL_S": "0.5"}
+             "LIVERL_PROMOTION__MIN_SAMPLES": "30", "LIVERL_PROMOTION__POLL_S": "0.5",
+             "LIVERL_PROMOTION__ALERT_WEBHOOK": f"http://127.0.0.1:{webhook.server_port}/alerts"}
     restart_component(settings, "controller", guard)
     stop, served, threads = threading.Event(), {}, []
     try:
@@ -93,7 +114,12 @@ def test_a_clearly_worse_canary_is_aborted_and_the_learner_rewinds(settings, sta
         assert {r.policy_version for r in read_pool(settings).replicas} == {stable.version}
         rewind = registry.last_rewind()
         assert rewind.version == stable.version and worse.version in rewind.reason
+        # On-call heard of it: one alert, with the verdict's figures.
+        alert = wait_for(lambda: alerts and alerts[0], timeout=30)
+        assert alert["event"] == "canary_aborted" and alert["version"] == worse.version
+        assert alert["stable"] == stable.version and alert["comparisons"][0]["high"] < 0
     finally:
+        webhook.shutdown()
         stop.set()
         for t in threads:
             t.join(timeout=60)
