@@ -347,9 +347,10 @@ def demo_settings() -> Settings:
         "learner": {"batch_samples": 96, "lr": 3e-4, "max_version_lag": 3,
                     "gate_min_ess": 5.0, "gate_margin": 0.1},
         "feedback": {"reward_window_s": 300.0},
-        # A canary serves beside stable on a second replica; the simulated users answer
-        # within milliseconds, so a completion is judged a second after it was served.
-        "serving": {"replicas": 2},
+        # A canary serves beside stable on a second replica, half the sessions each; the
+        # simulated users answer within milliseconds, so a completion is judged a second
+        # after it was served.
+        "serving": {"replicas": 2, "canary_share": 0.5},
         "promotion": {"auto_promote": True, "judge_after_s": 1.0, "margin": 0.1, "reward_margin": 0.1,
                       "canary_refresh_samples": 300},
     }  # the demo's own defaults: `LIVERL_*` variables still override each of them

@@ -215,7 +215,7 @@ def up(settings: Settings, say: Callable[[str], None] = print, progress: bool = 
         launcher.python("api", settings.ports.api)
         started = [launch_replica(settings, f"replica-{i}", model_dir, replica_url(settings, i), version)
                    for i in range(settings.serving.replicas)]
-        write_pool(settings, Pool(replicas=[r for r, _ in started]))  # so a failure below stops them
+        write_pool(settings, Pool(replicas=[r for r, _ in started], aliases={"stable": version}))  # so a failure below stops them
         for replica, process in started:
             wait_replica(settings, replica, process)
             say(f"  {replica.name:<10} {replica.url} serving {version}")

@@ -28,6 +28,8 @@ class Replica(BaseModel):
 
 class Pool(BaseModel):
     replicas: list[Replica] = Field(default_factory=list)
+    aliases: dict[str, str] = Field(default_factory=dict, description="Alias -> version: `stable`, and "
+                                    "`canary` while one is judged (the gateway gives it its traffic share).")
 
     def get(self, name: str) -> Replica:
         for replica in self.replicas:
@@ -51,3 +53,15 @@ def write_pool(settings: Settings, pool: Pool) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(pool.model_dump_json(indent=2))
     tmp.replace(path)  # atomic: the gateway never reads half a file
+
+
+def set_aliases(settings: Settings, **aliases: str | None) -> Pool:
+    """Point aliases at versions (None removes one); the gateway routes by them."""
+    pool = read_pool(settings)
+    for alias, version in aliases.items():
+        if version is None:
+            pool.aliases.pop(alias, None)
+        else:
+            pool.aliases[alias] = version
+    write_pool(settings, pool)
+    return pool

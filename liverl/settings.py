@@ -183,6 +183,9 @@ class ServingConfig(Config):
         "ports.replica_base + i, for replicas in other hosts or containers (a network policy must "
         "then keep everyone but the gateway and the swap code out).",
     )
+    canary_share: Fraction = Field(0.1, description="Share of sessions a canary serves (the rest go to stable); "
+                                   "a session keeps its version (header x-liverl-session, else the request's "
+                                   "`user`; requests with neither are assigned one by one).")
     max_model_len: int = Field(512, ge=16, description="Longest prompt + completion served.")
     dtype: str = Field("float32", description="Compute dtype of the replicas (fp32 on CPU).")
     start_timeout_s: float = Field(240.0, gt=0, description="How long a replica may take to start.")

@@ -13,6 +13,7 @@ from pathlib import Path
 from liverl.contracts import PolicyVersionEvent, Topics
 from liverl.kafka import encode, produce_sync
 from liverl.observability import log, setup_logging
+from liverl.pool import read_pool, set_aliases
 from liverl.settings import Settings
 from policies.registry import REJECTED, PolicyVersion, Registry, State
 
@@ -49,7 +50,6 @@ class Promoter:
     def start_canary(self, version: str, actor: str, reason: str) -> PolicyVersion:
         """The version on one replica (verified), beside stable on the others. A replica
         that fails verification is back on its old weights and the version rolled back."""
-        from liverl.pool import read_pool
         from serving.swap import replace_replica
 
         model_dir = self.weights(version)
@@ -66,6 +66,7 @@ class Promoter:
         self.registry.update_metrics(version, swaps=[report.model_dump()])
         if not report.ok:
             return self.transition(version, "rolled_back", actor, f"{report.replica}: {report.error}")
+        set_aliases(self.settings, canary=version)  # the gateway gives it serving.canary_share of sessions
         return self.registry.get(version)
 
     def finish(self, version: str, actor: str, reason: str) -> PolicyVersion:
@@ -79,6 +80,7 @@ class Promoter:
         if failed := [r for r in reports if not r.ok]:
             self.abort(version, actor, f"{failed[0].replica}: {failed[0].error}", state="rolled_back")
             return self.registry.get(version)
+        set_aliases(self.settings, stable=version, canary=None)
         if previous and previous.version != version:
             self.transition(previous.version, "superseded", actor, f"replaced by {version}")
         return self.transition(version, "stable", actor, reason)
@@ -102,6 +104,7 @@ class Promoter:
             failed = [r for r in roll_out(self.settings, stable.version, self.weights(stable.version)) if not r.ok]
             if failed:
                 log(logger, "could not put stable back", version=stable.version, error=failed[0].error)
+        set_aliases(self.settings, canary=None)
         aborted = self.transition(version, state, actor, reason)
         if stable and state == "aborted":
             self.registry.request_rewind(stable.version, actor, f"{version} aborted: {reason}")
@@ -129,6 +132,7 @@ class Promoter:
         failed = [r for r in roll_out(self.settings, to, self.weights(to)) if not r.ok]
         if failed:
             raise RuntimeError(f"rollback to {to} failed on {failed[0].replica}: {failed[0].error}")
+        set_aliases(self.settings, stable=to, canary=None)
         self.transition(current.version, "rolled_back", actor, reason)
         restored = self.transition(to, "stable", actor, f"rollback from {current.version}: {reason}")
         self.registry.request_rewind(to, actor, f"rollback from {current.version}: {reason}")

@@ -9,7 +9,9 @@ trajectory and every request (served or failed) as a request record on Kafka.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
+import random
 import time
 from collections import Counter as Tally
 from contextlib import asynccontextmanager
@@ -96,13 +98,28 @@ class Router:
             self._pool, self._mtime = read_pool(self.settings), mtime
         return self._pool
 
-    async def pick(self) -> Replica:
-        """The least busy enabled replica; while a swap has none enabled, wait for one."""
+    def for_session(self, enabled: list[Replica], session: str | None) -> list[Replica]:
+        """The replicas this session may use: while a canary is judged, `canary_share` of
+        the sessions get it and the rest stable, each session always the same side (a
+        user does not flip between versions); without a session, each request is drawn."""
+        canary = self.pool().aliases.get("canary")
+        on_canary = [r for r in enabled if r.policy_version == canary]
+        if not on_canary or len(on_canary) == len(enabled):
+            return enabled
+        digest = hashlib.blake2b(session.encode(), digest_size=8).digest() if session else None
+        bucket = int.from_bytes(digest, "big") / 2**64 if digest else random.random()
+        if bucket < self.settings.serving.canary_share:
+            return on_canary
+        return [r for r in enabled if r.policy_version != canary]
+
+    async def pick(self, session: str | None = None) -> Replica:
+        """The least busy enabled replica for the session; while a swap has none enabled,
+        wait for one."""
         deadline = time.monotonic() + self.settings.serving.no_replica_wait_s
         while True:
             enabled = [r for r in self.pool().replicas if r.enabled]
             if enabled:
-                return min(enabled, key=lambda r: self.inflight[r.name])
+                return min(self.for_session(enabled, session), key=lambda r: self.inflight[r.name])
             if time.monotonic() > deadline:
                 raise NoReplica("no replica is serving")
             await asyncio.sleep(0.02)
@@ -327,7 +344,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             except ValidationError as error:
                 return await refused(400, f"x-liverl-group-id: {error.errors()[0]['msg']}")
         try:
-            replica = await router.pick()
+            session = request.headers.get("x-liverl-session") or body.get("user")
+            replica = await router.pick(str(session) if session is not None else None)
         except NoReplica as error:
             return await refused(503, str(error), kind="service_unavailable")
         completion_id = new_id("cmpl")

@@ -41,8 +41,9 @@ def settings(tmp_path_factory: pytest.TempPathFactory, starter_dir: Path) -> Set
                           replica_base=28100 + offset),
         broker=EmbeddedBroker(port=29092 + offset),
         starter=StarterPolicyConfig(model_dir=starter_dir),
-        # Two replicas: swaps roll out canary first, and one serves while the other swaps.
-        serving=ServingConfig(replicas=2, kv_cache_gib=1),
+        # Two replicas: swaps roll out canary first, and one serves while the other swaps;
+        # a canary gets a quarter of the sessions.
+        serving=ServingConfig(replicas=2, kv_cache_gib=1, canary_share=0.25),
         stream_cpus=[0],  # every machine has a CPU 0
         feedback=FeedbackConfig(reward_window_s=6.0, sweep_interval_s=1.0, max_feedback_per_completion=4),
         learner=LearnerConfig(batch_samples=32, min_samples=1, max_version_lag=3, lr=3e-4,

@@ -11,10 +11,10 @@ import uuid
 
 import httpx
 import pytest
-from liverl.client import FeedbackClient
 from helpers import item, sql, wait_for
 from openai import OpenAI
 
+from liverl.client import FeedbackClient
 from liverl.contracts import Topics
 from liverl.kafka import read_topic
 from liverl.pool import read_pool

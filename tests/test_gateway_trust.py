@@ -14,9 +14,9 @@ from fastapi.testclient import TestClient
 from helpers import sql, wait_for
 from prometheus_client import generate_latest
 
+import serving.gateway
 from liverl.keys import KeyStore
 from liverl.settings import ServingConfig, Settings
-import serving.gateway
 from serving.gateway import create_app, upstream_error
 
 

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 import zstandard
+from test_sync_transport import Lineage, local_store, same_weights
 
 from liverl.settings import Settings, SyncConfig
 from sync import apply_delta, apply_delta_dir, encode_delta, read_manifest
@@ -26,7 +27,6 @@ from sync.delta import FORMATS, DeltaError, UnsupportedFormatError
 from sync.records import read_records, sync_store, write_record
 from sync.replica import ReplicaSync
 from sync.transport import ship
-from test_sync_transport import Lineage, local_store, same_weights
 
 
 def adam_versions(size: int, lr: float, steps: int = 20, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
