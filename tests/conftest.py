@@ -8,7 +8,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from helpers import controller_idle, learner_health, wait_for
 
+from liverl.keys import admin_headers
 from liverl.settings import (
     EmbeddedBroker,
     FeedbackConfig,
@@ -85,3 +87,12 @@ def s3_endpoint():
     host, port = server.get_host_and_port()
     yield f"http://{host}:{port}"
     server.stop()
+
+
+@pytest.fixture()
+def paused_learner(settings, stack):
+    """Learning paused and no promotion in flight, so a test owns the replicas."""
+    httpx.post(settings.url(settings.ports.learner) + "/pause", headers=admin_headers(settings), timeout=10)
+    wait_for(lambda: learner_health(settings) and controller_idle(settings), timeout=120)
+    yield
+    httpx.post(settings.url(settings.ports.learner) + "/resume", headers=admin_headers(settings), timeout=10)

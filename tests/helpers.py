@@ -35,6 +35,23 @@ def wait_for(predicate: Callable[[], object], timeout: float = 30.0, interval: f
     raise AssertionError(f"condition not met within {timeout} s")
 
 
+def learner_health(settings) -> dict | None:
+    """The learner's /health, or None while it is (re)starting."""
+    try:
+        return httpx.get(settings.url(settings.ports.learner) + "/health", timeout=5).json()
+    except httpx.TransportError:
+        return None
+
+
+def controller_idle(settings) -> bool:
+    """No promotion in flight: the controller has no canary and nothing to take."""
+    try:
+        health = httpx.get(settings.url(settings.ports.controller) + "/health", timeout=5).json()
+    except httpx.TransportError:
+        return False
+    return health["canary"] is None and health["state"].startswith(("idle", "v"))
+
+
 def item(event_id: str, body: dict, type: str = "feedback") -> dict:
     return {"id": event_id, "type": type, "timestamp": "2026-11-22T12:00:00Z", "body": body}
 

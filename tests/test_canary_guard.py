@@ -13,9 +13,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers import item, restart_component, wait_for
+from helpers import controller_idle, item, learner_health, restart_component, wait_for
 from safetensors.torch import load_file, save_file
-from test_learning_plane import controller_idle, learner_health
 from transformers import AutoTokenizer
 
 from liverl.keys import admin_headers

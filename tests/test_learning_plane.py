@@ -8,9 +8,8 @@ import shutil
 import uuid
 
 import httpx
-import pytest
 import torch
-from helpers import item, restart_component, serving_load, wait_for
+from helpers import item, learner_health, restart_component, serving_load, wait_for
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
@@ -19,14 +18,6 @@ from liverl.keys import admin_headers
 from liverl.pool import read_pool
 from policies.registry import Registry
 from promotion.promoter import Promoter
-
-
-def learner_health(settings) -> dict | None:
-    """The learner's /health, or None while it is (re)starting."""
-    try:
-        return httpx.get(settings.url(settings.ports.learner) + "/health", timeout=5).json()
-    except httpx.TransportError:
-        return None
 
 
 def synthetic_batch(n: int, version: str, routing: tuple[int, int] | None = None) -> list[dict]:
@@ -44,24 +35,6 @@ def synthetic_batch(n: int, version: str, routing: tuple[int, int] | None = None
         batch.append(item(f"t-{cid}", body, type="trajectory"))
         batch.append(item(f"f-{cid}", {"kind": "accept" if i % 2 else "reject", "completion_id": cid}))
     return batch
-
-
-def controller_idle(settings) -> bool:
-    """No promotion in flight: the controller has no canary and nothing to take."""
-    try:
-        health = httpx.get(settings.url(settings.ports.controller) + "/health", timeout=5).json()
-    except httpx.TransportError:
-        return False
-    return health["canary"] is None and health["state"].startswith(("idle", "v"))
-
-
-@pytest.fixture()
-def paused_learner(settings, stack):
-    """Learning paused and no promotion in flight, so a test owns the replicas."""
-    httpx.post(settings.url(settings.ports.learner) + "/pause", headers=admin_headers(settings), timeout=10)
-    wait_for(lambda: learner_health(settings) and controller_idle(settings), timeout=120)
-    yield
-    httpx.post(settings.url(settings.ports.learner) + "/resume", headers=admin_headers(settings), timeout=10)
 
 
 def restart_learner(settings, fault: str | None = None) -> int:

@@ -10,8 +10,7 @@ from datetime import datetime, timezone
 
 import httpx
 import pytest
-from helpers import serving_load, wait_for
-from test_learning_plane import controller_idle
+from helpers import controller_idle, serving_load, wait_for
 from typer.testing import CliRunner
 
 from app.cli import app

@@ -10,7 +10,6 @@ import time
 
 import httpx
 import pytest
-from test_learning_plane import paused_learner  # noqa: F401 (a fixture)
 
 import serving.swap
 from liverl.pool import read_pool
