@@ -351,6 +351,10 @@ def demo_settings() -> Settings:
         # simulated users answer within milliseconds, so a completion is judged a second
         # after it was served.
         "serving": {"replicas": 2, "canary_share": 0.5},
+        # Every process shares two cores: a niced stream let judged feedback reach the guard
+        # 60-100 s late and halved the versions that served (docs/learning.md); here the
+        # stream and the sink keep up at the same priority as everyone else.
+        "stream_nice": 0,
         "promotion": {"auto_promote": True, "judge_after_s": 1.0, "margin": 0.1, "reward_margin": 0.1,
                       "canary_refresh_samples": 300},
     }  # the demo's own defaults: `LIVERL_*` variables still override each of them
