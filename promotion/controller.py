@@ -176,14 +176,14 @@ class Controller:
         """A promotion that raised: recorded on the version, which is taken out of the
         running (rolled back from canary, rejected as a candidate), and every replica goes
         back to stable. The controller carries on with the next candidate."""
-        self.last_error = f"{version}: {error}"[:500]
         log(logger, "promotion failed", version=version, error=error)
         self.registry.update_metrics(version, promotion_error=error)
-        self.alert("promotion_failed", version, error)
         if self.registry.get(version).state == "canary":
             self.promoter.abort(version, ACTOR, f"promotion failed: {error}", state="rolled_back")
         elif self.registry.get(version).state == "candidate":
             self.promoter.transition(version, "rejected", ACTOR, f"promotion failed: {error}")
+        self.alert("promotion_failed", version, error)
+        self.last_error = f"{version}: {error}"[:500]  # last: /health shows it once it is all recorded
 
     def judge(self, canary: PolicyVersion) -> None:
         stable = self.registry.stable()
