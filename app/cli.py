@@ -279,30 +279,31 @@ def policy_show(version: str, data_dir: Optional[Path] = DataDir, as_json: bool 
     print_rows(registry.history(version), f"history of {version}")
 
 
-@policy_app.command("promote")
-def policy_promote(version: str, reason: str = ChangeReason, data_dir: Optional[Path] = DataDir,
-                   as_json: bool = Json) -> None:
-    """Roll a version out: one canary replica verified, then every replica."""
+def version_change(data_dir: Optional[Path], action: str, path: str, body: dict, act, as_json: bool) -> None:
+    """A change to which version serves, made by the promoter (`act(promoter)`) through
+    the controller or, with it down, here; prints the version's new state."""
     from policies.registry import Registry
     from promotion.promoter import Promoter
 
     settings = settings_from(data_dir)
-    result = change(settings, "policy.promote", f"/admin/policies/{version}/promote", {"reason": reason},
-                    lambda: Promoter(settings, Registry(settings.policies_dir)).promote(version, "cli", reason))
-    console.print_json(json.dumps(result)) if as_json else console.print(f"{version}: {result['state']}")
+    result = change(settings, action, path, body, lambda: act(Promoter(settings, Registry(settings.policies_dir))))
+    console.print_json(json.dumps(result)) if as_json else console.print(f"{result['version']}: {result['state']}")
+
+
+@policy_app.command("promote")
+def policy_promote(version: str, reason: str = ChangeReason, data_dir: Optional[Path] = DataDir,
+                   as_json: bool = Json) -> None:
+    """Roll a version out: one canary replica verified, then every replica."""
+    version_change(data_dir, "policy.promote", f"/admin/policies/{version}/promote", {"reason": reason},
+                   lambda promoter: promoter.promote(version, "cli", reason), as_json)
 
 
 @policy_app.command("abort")
 def policy_abort(version: str, reason: str = ChangeReason, data_dir: Optional[Path] = DataDir,
                  as_json: bool = Json) -> None:
     """Take a canary off users: stable back on its replica, verified; the learner rewinds to stable."""
-    from policies.registry import Registry
-    from promotion.promoter import Promoter
-
-    settings = settings_from(data_dir)
-    result = change(settings, "policy.abort", f"/admin/policies/{version}/abort", {"reason": reason},
-                    lambda: Promoter(settings, Registry(settings.policies_dir)).abort(version, "cli", reason))
-    console.print_json(json.dumps(result)) if as_json else console.print(f"{version}: {result['state']}")
+    version_change(data_dir, "policy.abort", f"/admin/policies/{version}/abort", {"reason": reason},
+                   lambda promoter: promoter.abort(version, "cli", reason), as_json)
 
 
 @policy_app.command("rollback")
@@ -311,13 +312,8 @@ def policy_rollback(reason: str = ChangeReason, data_dir: Optional[Path] = DataD
                                                      "previous stable one)."), as_json: bool = Json) -> None:
     """Take the stable version out of serving: the previous stable one (or --to) returns
     everywhere, verified before this returns, and the learner continues from it."""
-    from policies.registry import Registry
-    from promotion.promoter import Promoter
-
-    settings = settings_from(data_dir)
-    result = change(settings, "policy.rollback", "/admin/rollback", {"reason": reason, "to": to},
-                    lambda: Promoter(settings, Registry(settings.policies_dir)).rollback("cli", reason, to=to))
-    console.print_json(json.dumps(result)) if as_json else console.print(f"{result['version']}: {result['state']}")
+    version_change(data_dir, "policy.rollback", "/admin/rollback", {"reason": reason, "to": to},
+                   lambda promoter: promoter.rollback("cli", reason, to=to), as_json)
 
 
 def pin_command(pinned: bool, reason: str, data_dir: Optional[Path], as_json: bool) -> None:
