@@ -324,6 +324,11 @@ class PromotionConfig(Config):
                                    "accept rate is surely more than this below that version's.")
     slide_min_samples: int = Field(200, ge=10, description="Judged completions of each before the slide guard "
                                    "compares two stables.")
+    tenant_min_samples: int = Field(100, ge=10, description="Judged completions per arm before one tenant's "
+                                    "traffic is compared on its own (fewer: it counts in the total only).")
+    tenant_worse: Literal["abort", "hold"] = Field(
+        "abort", description="A canary clearly worse for one tenant with enough traffic, though not overall: "
+        "abort it, or hold it in canary (never promoted) and ask a human.")
     alert_webhook: HttpUrl | None = Field(None, description="Where the controller POSTs an alert (JSON, "
                                           "docs/production.md) on every automatic abort or rollback and every "
                                           "canary that needs a human; None: logs only.")

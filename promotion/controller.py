@@ -57,10 +57,13 @@ class Figures:
     def __init__(self, rows: list[dict]):
         self.accept: dict[str, Arm] = {}
         self.reward: dict[str, Arm] = {}
+        self.tenant_accept: dict[str, dict[str, Arm]] = {}  # tenant -> version -> its judged completions
         for row in rows:
             v = row["policy_version"]
             self.accept.setdefault(v, Arm()).add(row["judged"], row["accepted"], row["accepted"])  # 0/1: x^2 = x
             self.reward.setdefault(v, Arm()).add(row["samples"], row["reward_sum"], row["reward_squares"])
+            self.tenant_accept.setdefault(row["tenant"], {}).setdefault(v, Arm()).add(
+                row["judged"], row["accepted"], row["accepted"])
 
 
 def utc(t: float) -> str:
@@ -206,6 +209,7 @@ class Controller:
         self.state = f"judging canary {canary.version} against {stable.version}"
         figures = self.figures([canary.version, stable.version], info["started_at"], now - self.judge_after_s)
         comparisons = self.compare(figures, stable.version, canary.version)
+        tenants = self.compare_tenants(figures, stable.version, canary.version)
         age = now - info["started_at"]
         canary_n = max((c.canary_n for c in comparisons), default=0)
         verdict = "continue"
@@ -215,7 +219,12 @@ class Controller:
             verdict = "non_inferior"
         elif age > self.config.max_canary_s or canary_n >= self.config.max_samples:
             verdict = "inconclusive"
-        info = dict(info, verdict=verdict, seconds=round(age, 1), comparisons=[c.model_dump() for c in comparisons])
+        if verdict != "worse" and (worse_for := [c for c in tenants if c.decision == "worse"]):
+            # Fine on average, clearly worse for someone with enough traffic to tell.
+            verdict = "worse" if self.config.tenant_worse == "abort" else "held"
+            comparisons = comparisons + worse_for
+        info = dict(info, verdict=verdict, seconds=round(age, 1), comparisons=[c.model_dump() for c in comparisons],
+                    tenants=[c.model_dump() for c in tenants])
         self.registry.update_metrics(canary.version, canary=info)
         if verdict == "continue":
             if canary_n >= self.config.canary_refresh_samples and not pin and (newer := self.newer_candidate(canary)):
@@ -225,12 +234,17 @@ class Controller:
                                          f"undecided after {canary_n} completions; {newer.version} is newer")
                 self.take_candidate()
             return
-        log(logger, "canary verdict", version=canary.version, verdict=verdict, seconds=round(age, 1),
-            **{c.metric: f"{c.canary_mean:.3f} vs {c.stable_mean:.3f} [{c.low:+.3f}, {c.high:+.3f}]"
-               for c in comparisons})
         figures_text = "; ".join(f"{c.metric} {c.canary_mean:.3f} vs {c.stable_mean:.3f} "
                                  f"(n {c.canary_n}/{c.stable_n}, difference in [{c.low:+.3f}, {c.high:+.3f}])"
                                  for c in comparisons)
+        if verdict == "held":
+            self.state = f"{canary.version} held in canary: {figures_text}; promote or abort it by hand"
+            if (canary.metrics.get("canary") or {}).get("verdict") != "held":  # ask once
+                self.alert("canary_held", canary.version, figures_text, comparisons=info["comparisons"])
+            return
+        log(logger, "canary verdict", version=canary.version, verdict=verdict, seconds=round(age, 1),
+            **{c.metric: f"{c.canary_mean:.3f} vs {c.stable_mean:.3f} [{c.low:+.3f}, {c.high:+.3f}]"
+               for c in comparisons})
         if verdict == "non_inferior" and pin:
             self.state = f"{canary.version} non-inferior; stable pinned by {pin.actor}, so it waits"
             return
@@ -261,6 +275,20 @@ class Controller:
         return [compare(name, arms.get(stable, Arm()), arms.get(canary, Arm()), alpha=c.false_abort_rate / len(metrics),
                         tau=c.mixture_sd, margin=margin, min_samples=c.min_samples)
                 for name, arms, margin in metrics]
+
+    def compare_tenants(self, figures: Figures, stable: str, canary: str) -> list[Comparison]:
+        """Each tenant with `tenant_min_samples` judged completions on both arms, on its
+        own accept rate; the level split across them, so more tenants do not mean more
+        false aborts. With one such tenant the overall comparison already is its own."""
+        c = self.config
+        eligible = sorted(t for t, arms in figures.tenant_accept.items()
+                          if min(arms.get(stable, Arm()).n, arms.get(canary, Arm()).n) >= c.tenant_min_samples)
+        if len(eligible) < 2:
+            return []
+        return [compare(f"accept_rate[{tenant}]", figures.tenant_accept[tenant][stable],
+                        figures.tenant_accept[tenant][canary], alpha=c.false_abort_rate / len(eligible),
+                        tau=c.mixture_sd, margin=c.margin, min_samples=c.tenant_min_samples)
+                for tenant in eligible]
 
     # --- the slide guard -----------------------------------------------------------------------
     def stable_periods(self) -> list[tuple[str, float, float]]:
