@@ -41,7 +41,7 @@ from liverl.keys import KeyRecord, KeyStore, admin_headers, require_admin
 from liverl.observability import log, mount_metrics, setup_logging
 from liverl.pool import read_pool
 from liverl.settings import Settings, get_settings
-from policies.registry import Pin, PolicyVersion, Registry
+from policies.registry import REJECTED, Pin, PolicyVersion, Registry
 from promotion.promoter import Promoter
 from promotion.sequential import Arm, Comparison, compare, confidence_sequence
 
@@ -363,6 +363,17 @@ class PolicyDetail(BaseModel):
     history: list[dict] = Field(description="Every state change: version, at, from, to, actor, reason.")
 
 
+class Analysis(BaseModel):
+    version: str
+    state: str
+    verdict: str | None = Field(description="The guard's latest verdict; None for a version it never judged.")
+    seconds: float | None = Field(description="How long it had been judged at that verdict.")
+    comparisons: list[dict] = Field(description="Canary against stable per metric (and tenants found worse).")
+    tenants: list[dict] = Field(description="Each tenant with enough traffic, on its own.")
+    passed: bool = Field(description="It reached stable.")
+    failed: bool = Field(description="It was found worse or taken off users.")
+
+
 def create_app(controller: Controller) -> FastAPI:
     """Health, and on-call's API (admin key): the `liverl policy` commands over HTTP, each
     taking the controller's lock so it never interleaves with the controller's own moves."""
@@ -405,6 +416,21 @@ def create_app(controller: Controller) -> FastAPI:
             return PolicyDetail(version=registry.get(version), history=registry.history(version))
         except KeyError as error:
             raise HTTPException(404, error.args[0]) from None
+
+    @app.get("/admin/analysis/{version}")
+    def analysis(version: str, key: KeyRecord = Depends(require_admin)) -> Analysis:
+        """The live guard's latest look at a version, shaped for an Argo Rollouts `web`
+        metric (docs/production.md): `verdict` is continue, non_inferior, worse, held or
+        inconclusive; `passed` / `failed` are the success and failure conditions."""
+        try:
+            record = registry.get(version)
+        except KeyError as error:
+            raise HTTPException(404, error.args[0]) from None
+        info = record.metrics.get("canary") or {}
+        verdict = info.get("verdict", "continue" if record.state in ("candidate", "canary") else None)
+        return Analysis(version=version, state=record.state, verdict=verdict, seconds=info.get("seconds"),
+                        comparisons=info.get("comparisons", []), tenants=info.get("tenants", []),
+                        passed=record.state == "stable", failed=record.state in REJECTED or verdict == "worse")
 
     @app.post("/admin/policies/{version}/promote")
     def promote(version: str, body: Reason, key: KeyRecord = Depends(require_admin)) -> PolicyVersion:

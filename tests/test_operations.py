@@ -42,7 +42,7 @@ def test_no_admin_endpoint_answers_a_tenant_key_or_no_key(settings, dev_keys, co
     spec = controller.get("/openapi.json").json()
     calls = [(method, path.replace("{version}", "v0")) for path, methods in spec["paths"].items()
              if path.startswith("/admin") for method in methods]
-    assert len(calls) >= 7
+    assert len(calls) >= 8
     for method, path in calls:
         for headers, refused in (({"Authorization": f"Bearer {dev_keys['tenant_key']}"}, 403), ({}, 401)):
             response = httpx.request(method, controller.base_url.join(path), headers=headers,
@@ -60,6 +60,8 @@ def test_every_change_needs_a_reason_and_an_illegal_one_says_what_is_allowed(con
     assert refused.status_code == 409
     assert f"{stable} is stable; it cannot become aborted" in refused.json()["detail"]
     assert "superseded, rolled_back" in refused.json()["detail"]
+    analysis = controller.get(f"/admin/analysis/{stable}").json()
+    assert analysis["state"] == "stable" and analysis["passed"] and not analysis["failed"]
     missing = controller.post("/admin/policies/v99999/promote", json={"reason": "typo"})
     assert missing.status_code == 404 and "v99999" in missing.json()["detail"]
     # The CLI says the same, and needs --reason before it calls anything.
