@@ -340,6 +340,70 @@ def policy_unpin(reason: str = ChangeReason, data_dir: Optional[Path] = DataDir,
     pin_command(False, reason, data_dir, as_json)
 
 
+DIFF_SQL = """SELECT tenant, policy_version, toInt64(sum(samples)) AS n, sum(reward_sum) AS reward_sum,
+    toInt64(sum(accepted)) AS accepted, toInt64(sum(judged)) AS judged
+FROM version_hourly WHERE policy_version IN ('{a}', '{b}') GROUP BY tenant, policy_version ORDER BY tenant"""
+
+
+@policy_app.command("diff")
+def policy_diff(a: str, b: str, data_dir: Optional[Path] = DataDir, as_json: bool = Json) -> None:
+    """Two versions side by side: live reward and accept rate per tenant with 95% intervals
+    (ClickHouse), the offline gate's estimate, train/inference mismatch, the KL between
+    them where one is the other's parent (on the child's training tokens), and the delta size."""
+    from pydantic import TypeAdapter, ValidationError
+
+    from app.demo import wilson
+    from liverl.contracts import VersionName
+    from policies.registry import Registry
+    from sync.records import read_records, sync_store
+
+    settings = settings_from(data_dir)
+    registry = Registry(settings.policies_dir)
+    try:
+        for name in (a, b):
+            TypeAdapter(VersionName).validate_python(name)  # it goes into SQL: only a version name
+        versions = [registry.get(a), registry.get(b)]
+    except (KeyError, ValidationError) as error:
+        fail(error.args[0] if isinstance(error, KeyError) else f"not a version name: {error.errors()[0]['input']!r}")
+    rows = json.loads(run_sql(settings, DIFF_SQL.format(a=a, b=b), "json"))["data"]
+    try:
+        records = read_records(sync_store(settings))
+    except Exception:  # a store that cannot be read leaves the size blank, not the diff
+        records = {}
+    child = next((v for v in versions if v.parent in (a, b) and v.parent != v.version), None)
+    figures: dict[str, dict] = {}
+    for v in versions:
+        gate = (v.metrics.get("gate") or {}).get("candidate") or {}
+        record = records.get(v.version)
+        figures[v.version] = {
+            "state": v.state, "parent": v.parent,
+            "offline_estimate": gate.get("value"), "offline_ess": gate.get("ess"),
+            "logprob_mismatch_mean": v.metrics.get("logprob_mismatch_mean"),
+            "delta_bytes_from_parent": record.delta.size if record and record.delta else None,
+            "tenants": {}}
+    for row in rows:
+        lo, hi = wilson(row["accepted"], row["judged"])
+        figures[row["policy_version"]]["tenants"][row["tenant"]] = {
+            "served": row["n"], "mean_reward": row["reward_sum"] / max(row["n"], 1),
+            "accept_rate": row["accepted"] / row["judged"] if row["judged"] else None, "accept_ci": [lo, hi]}
+    answer = {"a": a, "b": b, "versions": figures,
+              "kl_parent_to_child": child.metrics.get("kl_from_parent") if child else None}
+    if as_json:
+        console.print_json(json.dumps(answer))
+        return
+    fields = ["state", "parent", "offline_estimate", "offline_ess", "logprob_mismatch_mean", "delta_bytes_from_parent"]
+    print_rows([{"": f, a: figures[a][f], b: figures[b][f]} for f in fields], f"{a} against {b}")
+    def accept_cell(live: dict | None) -> str:
+        if not live or live["accept_rate"] is None:
+            return "-"
+        return f"{live['accept_rate']:.3f} [{live['accept_ci'][0]:.3f}, {live['accept_ci'][1]:.3f}] n {live['served']}"
+
+    tenants = sorted({t for v in (a, b) for t in figures[v]["tenants"]})
+    print_rows([{"tenant": t, **{f"{v} accept (95% CI)": accept_cell(figures[v]["tenants"].get(t)) for v in (a, b)}}
+                for t in tenants], "live, per tenant")
+    console.print(f"KL(parent || child) on the child's training tokens: {answer['kl_parent_to_child']}")
+
+
 def utc_text(t: float) -> str:
     return datetime.fromtimestamp(t, timezone.utc).isoformat(timespec="seconds")
 

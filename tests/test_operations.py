@@ -64,6 +64,13 @@ def test_every_change_needs_a_reason_and_an_illegal_one_says_what_is_allowed(con
     assert analysis["state"] == "stable" and analysis["passed"] and not analysis["failed"]
     missing = controller.post("/admin/policies/v99999/promote", json={"reason": "typo"})
     assert missing.status_code == 404 and "v99999" in missing.json()["detail"]
+    # On-call compares two versions side by side.
+    diff = CliRunner().invoke(app, ["policy", "diff", "v0", stable, "--json", "--data-dir", str(settings.data_dir)])
+    assert diff.exit_code == 0, diff.output
+    figures = json.loads(diff.output)["versions"]
+    assert set(figures) == {"v0", stable} and figures[stable]["state"] == "stable"
+    for live in (t for f in figures.values() for t in f["tenants"].values()):
+        assert live["served"] > 0 and 0 <= live["accept_ci"][0] <= live["accept_ci"][1] <= 1
     # The CLI says the same, and needs --reason before it calls anything.
     result = CliRunner().invoke(app, ["policy", "abort", stable, "--reason", "bad", "--data-dir", str(settings.data_dir)])
     assert result.exit_code == 1 and "cannot become aborted" in result.output
