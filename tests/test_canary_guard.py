@@ -1,11 +1,14 @@
 """The live canary guard on the shared stack: a version users clearly dislike serves a
-share of traffic beside stable, is aborted by the promotion controller, never reaches
-stable, and the learner rewinds to stable. Plus the registry's rewind bookkeeping."""
+share of traffic beside stable, is aborted by the promotion controller (even one killed
+mid-canary and restarted), never reaches stable, and the learner rewinds to stable. Plus
+the registry's rewind bookkeeping."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import threading
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -18,6 +21,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
 from liverl.keys import admin_headers
+from liverl.manifest import read_manifest
 from liverl.pool import read_pool
 from liverl.probe import PROBE_FILE, probe_logprobs
 from policies.registry import Registry
@@ -101,6 +105,12 @@ def test_a_clearly_worse_canary_is_aborted_and_the_learner_rewinds(settings, sta
                                     daemon=True) for _ in range(4)]
         for t in threads:
             t.start()
+        # Killed mid-canary (SIGKILL, no clean stop), the controller restarts, finds its
+        # canary in the registry and judges it to the end: never a mix left behind.
+        wait_for(lambda: registry.get(worse.version).state == "canary" and any(
+            r.policy_version == worse.version and r.enabled for r in read_pool(settings).replicas), timeout=120)
+        os.killpg(next(c.pid for c in read_manifest(settings).components if c.name == "controller"), signal.SIGKILL)
+        restart_component(settings, "controller", guard)
         wait_for(lambda: registry.get(worse.version).state not in ("candidate", "canary"), timeout=240, interval=1)
         record = registry.get(worse.version)
         assert record.state == "aborted", record.state
