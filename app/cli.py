@@ -245,8 +245,10 @@ def change(settings: Settings, action: str, path: str, body: dict, act_here) -> 
         operator_audit(settings, action, path, reason=body["reason"])
         return result.model_dump()
     if response.is_error:
-        fail(response.json().get("detail", response.text) if "json" in response.headers.get("content-type", "")
-             else response.text)
+        detail = response.json().get("detail") if "json" in response.headers.get("content-type", "") else None
+        if isinstance(detail, list):  # a request FastAPI refused: each field and what is wrong with it
+            detail = "; ".join(f"{'.'.join(map(str, e['loc'][1:]))}: {e['msg']}" for e in detail)
+        fail(detail or response.text)
     return response.json()
 
 

@@ -53,7 +53,7 @@ class Promoter:
         from serving.swap import replace_replica
 
         model_dir = self.weights(version)
-        if self.registry.check(version, "canary", reason).state != "canary":  # not when resuming its swap
+        if self.registry.get(version).state != "canary":  # a canary already: finish its swap (a restart)
             self.transition(version, "canary", actor, reason)
         stable = self.registry.stable()
         others = [r for r in read_pool(self.settings).replicas if r.policy_version != version]
@@ -133,6 +133,9 @@ class Promoter:
         if failed:
             raise RuntimeError(f"rollback to {to} failed on {failed[0].replica}: {failed[0].error}")
         set_aliases(self.settings, stable=to, canary=None)
+        for canary in self.registry.in_state("canary"):  # its replica went back too; it was built on what failed
+            if canary.version != to:
+                self.transition(canary.version, "rejected", actor, f"rollback to {to} took every replica")
         self.transition(current.version, "rolled_back", actor, reason)
         restored = self.transition(to, "stable", actor, f"rollback from {current.version}: {reason}")
         self.registry.request_rewind(to, actor, f"rollback from {current.version}: {reason}")
