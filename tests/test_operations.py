@@ -50,7 +50,7 @@ def test_no_admin_endpoint_answers_a_tenant_key_or_no_key(settings, dev_keys, co
             assert response.status_code == refused, (method, path, response.text)
 
 
-def test_every_change_needs_a_reason_and_an_illegal_one_says_what_is_allowed(controller, settings):
+def test_every_change_needs_a_reason_and_an_illegal_one_says_what_is_allowed(controller, settings, paused_learner):
     stable = Registry(settings.policies_dir).stable().version
     for path in ("/admin/pin", f"/admin/policies/{stable}/abort", "/admin/rollback"):
         for body in ({}, {"reason": "   "}):
