@@ -98,11 +98,11 @@ class Router:
             self._pool, self._mtime = read_pool(self.settings), mtime
         return self._pool
 
-    def for_session(self, enabled: list[Replica], session: str | None) -> list[Replica]:
+    def for_session(self, pool: Pool, enabled: list[Replica], session: str | None) -> list[Replica]:
         """The replicas this session may use: while a canary is judged, `canary_share` of
         the sessions get it and the rest stable, each session always the same side (a
         user does not flip between versions); without a session, each request is drawn."""
-        canary = self.pool().aliases.get("canary")
+        canary = pool.aliases.get("canary")
         on_canary = [r for r in enabled if r.policy_version == canary]
         if not on_canary or len(on_canary) == len(enabled):
             return enabled
@@ -117,9 +117,10 @@ class Router:
         wait for one."""
         deadline = time.monotonic() + self.settings.serving.no_replica_wait_s
         while True:
-            enabled = [r for r in self.pool().replicas if r.enabled]
+            pool = self.pool()  # one look at the pool file per request
+            enabled = [r for r in pool.replicas if r.enabled]
             if enabled:
-                return min(self.for_session(enabled, session), key=lambda r: self.inflight[r.name])
+                return min(self.for_session(pool, enabled, session), key=lambda r: self.inflight[r.name])
             if time.monotonic() > deadline:
                 raise NoReplica("no replica is serving")
             await asyncio.sleep(0.02)
