@@ -53,7 +53,7 @@ def idle_swaps(settings: Settings, rounds: int) -> list[dict]:
     the stable version and its parent, `rounds` times each way, through the same code."""
     learner = settings.url(settings.ports.learner)
     httpx.post(learner + "/pause", params={"reason": "bench_swap"}, headers=admin_headers(settings),
-               timeout=10).raise_for_status()
+               timeout=620).raise_for_status()
     controller = settings.url(settings.ports.controller) + "/health"
     while (health := httpx.get(controller, timeout=10).json())["canary"] or health["state"].startswith(
             ("promoting", "starting")):

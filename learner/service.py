@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 import uvicorn
-from fastapi import Depends, FastAPI
+from fastapi import Depends, FastAPI, Query
 from kafka import (
     ConsumerRebalanceListener,
     KafkaConsumer,
@@ -98,6 +98,7 @@ class Learner:
         self.committed: dict[TopicPartition, int] = {}
         self.flush_requested = threading.Event()
         self.paused = threading.Event()
+        self.halted = threading.Event()  # set by the loop once it has seen `paused`: nothing in flight
 
     def trainer_at(self, version: PolicyVersion) -> Trainer:
         """A trainer from `version`'s weights, with its optimizer state where it was kept."""
@@ -248,6 +249,7 @@ class Learner:
                 self.rewind_if_asked()
                 self.serving = {v.version for state in ("stable", "canary") for v in self.registry.in_state(state)}
                 if self.paused.is_set():  # on-call paused learning: consume nothing, write nothing
+                    self.halted.set()
                     time.sleep(0.2)
                     continue
                 for tp, records in consumer.poll(timeout_ms=500).items():
@@ -276,11 +278,17 @@ def create_app(settings: Settings) -> tuple[FastAPI, Learner]:
                 "paused": learner.paused.is_set(), "dropped_since_last_version": dict(learner.dropped)}
 
     @app.post("/pause")
-    def pause(reason: str = "", key: KeyRecord = Depends(require_admin)) -> dict:
-        """Stop consuming and writing versions (admin key; audited)."""
+    def pause(reason: str = "", wait_s: float = Query(600.0, ge=0, le=3600, description=(
+            "How long to wait for a step in flight to finish")),
+              key: KeyRecord = Depends(require_admin)) -> dict:
+        """Stop consuming and writing versions (admin key; audited). Answers once the step in
+        flight has finished, so no version is published after it (`halted` false: still
+        finishing after `wait_s`)."""
+        learner.halted.clear()  # after `paused` is set, only a loop that has seen it sets this
         learner.paused.set()
         audit.record(key.key_id, "learner.pause", "learner", reason, version=learner.current.version)
-        return {"paused": True, "version": learner.current.version}
+        halted = learner.halted.wait(wait_s)
+        return {"paused": True, "halted": halted, "version": learner.current.version}
 
     @app.post("/resume")
     def resume(reason: str = "", key: KeyRecord = Depends(require_admin)) -> dict:

@@ -92,7 +92,7 @@ def s3_endpoint():
 @pytest.fixture()
 def paused_learner(settings, stack):
     """Learning paused and no promotion in flight, so a test owns the replicas."""
-    httpx.post(settings.url(settings.ports.learner) + "/pause", headers=admin_headers(settings), timeout=10)
+    httpx.post(settings.url(settings.ports.learner) + "/pause", headers=admin_headers(settings), timeout=620)
     wait_for(lambda: learner_health(settings) and controller_idle(settings), timeout=120)
     yield
     httpx.post(settings.url(settings.ports.learner) + "/resume", headers=admin_headers(settings), timeout=10)

@@ -86,7 +86,7 @@ def alert_receiver() -> tuple[list[dict], ThreadingHTTPServer]:
 def test_a_clearly_worse_canary_is_aborted_and_the_learner_rewinds(settings, stack, dev_keys):
     registry = Registry(settings.policies_dir)
     learner = settings.url(settings.ports.learner)
-    httpx.post(learner + "/pause", headers=admin_headers(settings), timeout=10)
+    httpx.post(learner + "/pause", headers=admin_headers(settings), timeout=620)
     wait_for(lambda: learner_health(settings) and controller_idle(settings), timeout=120)
     alerts, webhook = alert_receiver()
     guard = {"LIVERL_PROMOTION__CANARY_GUARD": "true", "LIVERL_PROMOTION__JUDGE_AFTER_S": "0",

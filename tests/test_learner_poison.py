@@ -3,6 +3,7 @@ still breaks a step is found by trying each sample alone, dead-lettered and skip
 
 from __future__ import annotations
 
+import time
 import uuid
 from pathlib import Path
 
@@ -101,8 +102,13 @@ def test_learner_control_needs_an_admin_key_and_is_audited(settings, stack, dev_
     for verb in ("pause", "resume", "flush"):
         assert httpx.post(f"{url}/{verb}", headers=tenant, timeout=10).status_code == 403
     reason = f"maintenance {uuid.uuid4().hex[:6]}"
-    assert httpx.post(url + "/pause", params={"reason": reason}, headers=admin_headers(settings),
-                      timeout=10).json()["paused"] is True
+    paused = httpx.post(url + "/pause", params={"reason": reason}, headers=admin_headers(settings),
+                        timeout=620).json()
+    # Answered once the step in flight is done: nothing is written after it.
+    assert paused["paused"] is True and paused["halted"] is True
+    published = len(Registry(settings.policies_dir).versions())
+    time.sleep(3)
+    assert len(Registry(settings.policies_dir).versions()) == published
     assert httpx.post(url + "/resume", params={"reason": reason}, headers=admin_headers(settings),
                       timeout=10).json()["paused"] is False
     admin_id = next(r.key_id for r in KeyStore(settings.keys_file).list() if r.role == "admin")
