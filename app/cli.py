@@ -354,9 +354,9 @@ def policy_diff(a: str, b: str, data_dir: Optional[Path] = DataDir, as_json: boo
     them where one is the other's parent (on the child's training tokens), and the delta size."""
     from pydantic import TypeAdapter, ValidationError
 
-    from app.demo import wilson
     from liverl.contracts import VersionName
     from policies.registry import Registry
+    from promotion.sequential import wilson
     from sync.records import read_records, sync_store
 
     settings = settings_from(data_dir)

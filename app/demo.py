@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ast
 import json
-import math
 import random
 import statistics
 import threading
@@ -31,6 +30,7 @@ from liverl.client import FeedbackClient
 from liverl.keys import admin_headers
 from liverl.settings import Settings, settings_with_defaults
 from policies.registry import Registry
+from promotion.sequential import wilson
 
 VERSION_SQL = """SELECT policy_version, sum(samples) AS n,
     round(sum(reward_sum) / n, 3) AS mean_reward,
@@ -69,16 +69,6 @@ def hidden_rule(prompt: str, completion: str, max_lines: int = 4) -> bool:
         except (SyntaxError, ValueError):
             return False
     return True
-
-
-def wilson(accepted: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    """95% Wilson score interval of a proportion."""
-    if n == 0:
-        return 0.0, 1.0
-    p = accepted / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return max(centre - half, 0.0), min(centre + half, 1.0)
 
 
 @dataclass

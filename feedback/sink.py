@@ -224,6 +224,8 @@ class FiguresRequest(BaseModel):
     until: AwareDatetime = Field(ge=EPOCH, le=FAR, description="...up to this one (late feedback: leave "
                                  "the window time).")
     production_only: bool = Field(True, description="Leave out rollouts (source = rollout).")
+    bucket_s: int | None = Field(None, ge=1, le=86_400, description="Also split by the time served, in "
+                                 "buckets of this many seconds (a curve per version); none: one row.")
 
 
 class VersionFigures(BaseModel):
@@ -236,15 +238,17 @@ class VersionFigures(BaseModel):
     accepted: int
     reward_sum: float
     reward_squares: float
+    bucket: int | None = Field(None, description="Start of the time bucket served in, Unix seconds (with bucket_s).")
 
 
-FIGURES_SQL = """SELECT policy_version, tenant, toInt64(count()) AS samples,
+FIGURES_SQL = """SELECT policy_version, tenant, {bucket} toInt64(count()) AS samples,
     toInt64(countIf(a IS NOT NULL)) AS judged, toInt64(sum(ifNull(a, 0))) AS accepted,
     sum(r) AS reward_sum, sum(r * r) AS reward_squares
-FROM (SELECT policy_version, tenant, sample_id, argMax(accepted, revision) AS a, argMax(reward, revision) AS r
+FROM (SELECT policy_version, tenant, sample_id, argMax(accepted, revision) AS a, argMax(reward, revision) AS r,
+             any(served_at) AS served
       FROM samples WHERE policy_version IN ({versions}) AND served_at >= {since} AND served_at < {until}
       {production} GROUP BY policy_version, tenant, sample_id)
-GROUP BY policy_version, tenant ORDER BY policy_version, tenant"""
+GROUP BY policy_version, tenant {by_bucket} ORDER BY policy_version, tenant {by_bucket}"""
 
 
 def timestamp_literal(t: datetime) -> str:
@@ -254,7 +258,9 @@ def timestamp_literal(t: datetime) -> str:
 def figures_sql(request: FiguresRequest) -> str:
     return FIGURES_SQL.format(versions=", ".join(quote(v) for v in request.versions),
                               since=timestamp_literal(request.since), until=timestamp_literal(request.until),
-                              production="AND source != 'rollout'" if request.production_only else "")
+                              production="AND source != 'rollout'" if request.production_only else "",
+                              bucket=f"toUnixTimestamp(toStartOfInterval(toDateTime(served), INTERVAL {request.bucket_s} SECOND)) AS bucket,"
+                              if request.bucket_s else "", by_bucket=", bucket" if request.bucket_s else "")
 
 
 class SqlRequest(BaseModel):

@@ -74,6 +74,12 @@ class KeyStore:
     def _save(self, records: dict[str, KeyRecord]) -> None:
         write_private(self.path, json.dumps({h: r.model_dump(mode="json") for h, r in records.items()}))
 
+    def get(self, key_id: str) -> KeyRecord | None:
+        """The live (not revoked) key with this id."""
+        with self._lock:
+            record = next((r for r in self._load().values() if r.key_id == key_id), None)
+        return record if record and record.revoked_at is None else None
+
     def authenticate(self, key: str) -> KeyRecord | None:
         with self._lock:
             record = self._load().get(hash_key(key))

@@ -333,6 +333,8 @@ class PromotionConfig(Config):
                                           "docs/production.md) on every automatic abort or rollback and every "
                                           "canary that needs a human; None: logs only.")
     alert_timeout_s: float = Field(5.0, gt=0, description="How long one alert may take to deliver.")
+    dashboard_session_s: float = Field(12 * 3600, gt=0, description="How long a dashboard login lasts before "
+                                       "the admin key is asked for again.")
 
     @model_validator(mode="after")
     def _samples(self):

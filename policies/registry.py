@@ -317,6 +317,14 @@ class Registry:
                        "VALUES (?,?,?,?,?,?)", (version, time.time(), current[0], to_state, actor, reason))
         return self.get(version)
 
+    def record_event(self, version: str, event: str, actor: str, reason: str) -> None:
+        """Something that happened to a version without changing its state (a canary held
+        for a human): in its history as `state -> event`."""
+        with self.transaction() as db:
+            db.execute("INSERT INTO events (version, at, from_state, to_state, actor, reason) "
+                       "SELECT version, ?, state, ?, ?, ? FROM versions WHERE version = ?",
+                       (time.time(), event, actor, reason, version))
+
     def request_rewind(self, version: str, actor: str, reason: str) -> Rewind:
         """Ask the learner to continue from `version` (a stable one it can rebuild)."""
         self.get(version)

@@ -33,15 +33,16 @@ from typing import TypeVar
 
 import httpx
 import uvicorn
-from fastapi import Depends, FastAPI, HTTPException
+from fastapi import FastAPI, HTTPException
 from pydantic import BaseModel, Field, field_validator
 
 from liverl.audit import AuditLog
-from liverl.keys import KeyRecord, KeyStore, admin_headers, require_admin
+from liverl.keys import KeyRecord, KeyStore, admin_headers
 from liverl.observability import log, mount_metrics, setup_logging
 from liverl.pool import read_pool
 from liverl.settings import Settings, get_settings
 from policies.registry import REJECTED, Pin, PolicyVersion, Registry
+from promotion.dashboard import Operator, mount_dashboard
 from promotion.promoter import Promoter
 from promotion.sequential import Arm, Comparison, compare, confidence_sequence
 
@@ -88,12 +89,16 @@ class Controller:
         after = self.config.judge_after_s
         return self.settings.feedback.reward_window_s if after is None else after
 
-    def figures(self, versions: list[str], since: float, until: float) -> Figures:
+    def figure_rows(self, versions: list[str], since: float, until: float, bucket_s: int | None = None) -> list[dict]:
+        """The sink's `/figures`: per version and tenant (and time bucket), judged production completions."""
         response = httpx.post(self.settings.url(self.settings.ports.sink) + "/figures", timeout=30,
                               headers=admin_headers(self.settings),
-                              json={"versions": versions, "since": utc(since), "until": utc(until)})
+                              json={"versions": versions, "since": utc(since), "until": utc(until), "bucket_s": bucket_s})
         response.raise_for_status()
-        return Figures(response.json())
+        return response.json()
+
+    def figures(self, versions: list[str], since: float, until: float) -> Figures:
+        return Figures(self.figure_rows(versions, since, until))
 
     def alert(self, event: str, version: str, reason: str, **figures: object) -> None:
         """Tell a human, without waiting for them: POST the event to the alert webhook
@@ -240,6 +245,7 @@ class Controller:
         if verdict == "held":
             self.state = f"{canary.version} held in canary: {figures_text}; promote or abort it by hand"
             if (canary.metrics.get("canary") or {}).get("verdict") != "held":  # ask once
+                self.registry.record_event(canary.version, "held", ACTOR, f"held in canary for a human: {figures_text}")
                 self.alert("canary_held", canary.version, figures_text, comparisons=info["comparisons"])
             return
         log(logger, "canary verdict", version=canary.version, verdict=verdict, seconds=round(age, 1),
@@ -375,13 +381,15 @@ class Analysis(BaseModel):
 
 
 def create_app(controller: Controller) -> FastAPI:
-    """Health, and on-call's API (admin key): the `liverl policy` commands over HTTP, each
-    taking the controller's lock so it never interleaves with the controller's own moves."""
+    """Health, on-call's API (an admin key, or the dashboard's session) and dashboard: the
+    `liverl policy` commands over HTTP, each taking the controller's lock so it never
+    interleaves with the controller's own moves."""
     app = FastAPI(title="liverl promotion controller")
     app.state.keys = KeyStore(controller.settings.keys_file)
     audit = AuditLog(controller.settings.audit_file)
     registry, promoter = controller.registry, controller.promoter
     mount_metrics(app)
+    mount_dashboard(app, controller, audit)
 
     @app.get("/health")
     def health() -> dict:
@@ -407,18 +415,18 @@ def create_app(controller: Controller) -> FastAPI:
         return result
 
     @app.get("/admin/policies")
-    def policies(key: KeyRecord = Depends(require_admin)) -> list[PolicyVersion]:
+    def policies(key: Operator) -> list[PolicyVersion]:
         return registry.versions()
 
     @app.get("/admin/policies/{version}")
-    def policy(version: str, key: KeyRecord = Depends(require_admin)) -> PolicyDetail:
+    def policy(version: str, key: Operator) -> PolicyDetail:
         try:
             return PolicyDetail(version=registry.get(version), history=registry.history(version))
         except KeyError as error:
             raise HTTPException(404, error.args[0]) from None
 
     @app.get("/admin/analysis/{version}")
-    def analysis(version: str, key: KeyRecord = Depends(require_admin)) -> Analysis:
+    def analysis(version: str, key: Operator) -> Analysis:
         """The live guard's latest look at a version, shaped for an Argo Rollouts `web`
         metric (docs/production.md): `verdict` is continue, non_inferior, worse, held or
         inconclusive; `passed` / `failed` are the success and failure conditions."""
@@ -433,30 +441,30 @@ def create_app(controller: Controller) -> FastAPI:
                         passed=record.state == "stable", failed=record.state in REJECTED or verdict == "worse")
 
     @app.post("/admin/policies/{version}/promote")
-    def promote(version: str, body: Reason, key: KeyRecord = Depends(require_admin)) -> PolicyVersion:
+    def promote(version: str, body: Reason, key: Operator) -> PolicyVersion:
         """Canary then every replica, each verified; returns when it serves everywhere."""
         return act(key, "policy.promote", version, body.reason,
                    lambda: promoter.promote(version, key.key_id, body.reason))
 
     @app.post("/admin/policies/{version}/abort")
-    def abort(version: str, body: Reason, key: KeyRecord = Depends(require_admin)) -> PolicyVersion:
+    def abort(version: str, body: Reason, key: Operator) -> PolicyVersion:
         """Take a canary off users: stable back on its replica (verified), the learner rewinds."""
         return act(key, "policy.abort", version, body.reason,
                    lambda: promoter.abort(version, key.key_id, body.reason))
 
     @app.post("/admin/rollback")
-    def rollback(body: RollbackRequest, key: KeyRecord = Depends(require_admin)) -> PolicyVersion:
+    def rollback(body: RollbackRequest, key: Operator) -> PolicyVersion:
         """The previous stable (or `to`) back on every replica; returns once verified serving."""
         return act(key, "policy.rollback", body.to or "previous stable", body.reason,
                    lambda: promoter.rollback(key.key_id, body.reason, to=body.to))
 
     @app.post("/admin/pin")
-    def pin(body: Reason, key: KeyRecord = Depends(require_admin)) -> Pin:
+    def pin(body: Reason, key: Operator) -> Pin:
         """No automatic promotion moves stable until unpinned (a worse canary is still aborted)."""
         return act(key, "policy.pin", "stable", body.reason, lambda: registry.pin("stable", key.key_id, body.reason))
 
     @app.post("/admin/unpin")
-    def unpin(body: Reason, key: KeyRecord = Depends(require_admin)) -> Pin:
+    def unpin(body: Reason, key: Operator) -> Pin:
         return act(key, "policy.unpin", "stable", body.reason,
                    lambda: registry.pin("stable", key.key_id, body.reason, pinned=False))
 

@@ -89,3 +89,14 @@ def compare(metric: str, stable: Arm, canary: Arm, *, alpha: float, tau: float, 
     return Comparison(metric=metric, decision=decision, canary_n=canary.n, stable_n=stable.n,
                       canary_mean=canary.mean, stable_mean=stable.mean, difference=d,
                       low=max(low, -1e9), high=min(high, 1e9))
+
+
+def wilson(accepted: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval of a proportion: for one look (a plot, a report), not for
+    a decision taken while looking repeatedly (that is `compare`)."""
+    if n == 0:
+        return 0.0, 1.0
+    p = accepted / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(centre - half, 0.0), min(centre + half, 1.0)

@@ -13,11 +13,12 @@ from helpers import item, learner_health, restart_component, serving_load, wait_
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
-from app.demo import Population, wilson
+from app.demo import Population
 from liverl.keys import admin_headers
 from liverl.pool import read_pool
 from policies.registry import Registry
 from promotion.promoter import Promoter
+from promotion.sequential import wilson
 
 
 def synthetic_batch(n: int, version: str, routing: tuple[int, int] | None = None) -> list[dict]:

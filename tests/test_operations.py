@@ -14,11 +14,11 @@ from helpers import serving_load, wait_for
 from typer.testing import CliRunner
 
 from app.cli import app
-from app.demo import wilson
 from liverl.keys import admin_headers, admin_key, hash_key
 from liverl.pool import read_pool
 from policies.registry import Registry
 from promotion.promoter import Promoter
+from promotion.sequential import wilson
 
 
 @pytest.fixture()

@@ -1,0 +1,119 @@
+"""The on-call dashboard in a real headless browser (Debian's chromium through its
+chromedriver, installed by install.sh) against the shared stack: a tenant key is turned
+away, an admin key logs in, the plots are drawn from judged production traffic, and a
+rollback clicked in the page is verified serving on every replica."""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+from helpers import item
+from test_operations import publish_copy
+
+from liverl.keys import admin_headers, admin_key
+from liverl.pool import read_pool
+from policies.registry import Registry
+
+SCREENSHOT = Path(__file__).parents[1] / "docs" / "dashboard.png"
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    driver_path, chromium = shutil.which("chromedriver"), shutil.which("chromium")
+    if not driver_path or not chromium:
+        pytest.skip("Debian's chromium and chromium-driver are not installed (install.sh installs them as root)")
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1400,1250"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(driver_path), options=options)  # a given driver: nothing downloaded
+    yield driver
+    driver.quit()
+
+
+def serve_and_judge(settings, key: str, n: int) -> str:
+    """`n` completions through the gateway, each accepted or rejected by its user; the
+    version that served them."""
+    headers = {"Authorization": f"Bearer {key}"}
+    served = set()
+    with httpx.Client(timeout=60, headers=headers) as client:
+        for i in range(n):
+            response = client.post(settings.url(settings.ports.gateway) + "/v1/completions",
+                                   json={"prompt": "def add(a, b):\n", "max_tokens": 12, "temperature": 1.0})
+            assert response.status_code == 200, response.text
+            served.add(response.headers["x-liverl-policy-version"])
+            verdict = "accept" if i % 3 else "reject"
+            client.post(settings.url(settings.ports.api) + "/v1/ingestion", json={"batch": [item(
+                f"f-{uuid.uuid4().hex}", {"kind": verdict, "completion_id": response.json()["completion_id"]})]})
+    assert len(served) == 1, served
+    return served.pop()
+
+
+def test_a_tenant_key_never_sees_the_dashboard(settings, dev_keys, stack):
+    base = settings.url(settings.ports.controller)
+    tenant = {"Authorization": f"Bearer {dev_keys['tenant_key']}"}
+    for path in ("/dashboard", "/dashboard/state", "/dashboard/plots/rates.svg"):
+        assert httpx.get(base + path, headers=tenant, timeout=30).status_code == 403, path
+    login = httpx.post(base + "/dashboard/login", data={"key": dev_keys["tenant_key"]}, timeout=30)
+    assert login.status_code == 403 and "admin key" in login.text and "set-cookie" not in login.headers
+    assert httpx.get(base + "/dashboard/state", cookies={"liverl_session": "forged"}, timeout=30).status_code == 401
+
+
+def test_on_call_logs_in_reads_live_plots_and_rolls_back_from_the_page(
+        settings, dev_keys, stack, paused_learner, browser):
+    from selenium.common.exceptions import StaleElementReferenceException
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as seen
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    registry = Registry(settings.policies_dir)
+    before = serve_and_judge(settings, dev_keys["tenant_key"], 12)
+    controller = settings.url(settings.ports.controller)
+    candidate = publish_copy(settings, registry, "dashboard")
+    promoted = httpx.post(f"{controller}/admin/policies/{candidate.version}/promote", headers=admin_headers(settings),
+                          json={"reason": "a stable to roll back from in the page"}, timeout=600)
+    assert promoted.status_code == 200 and promoted.json()["state"] == "stable", promoted.text
+    assert serve_and_judge(settings, dev_keys["tenant_key"], 12) == candidate.version
+    wait = WebDriverWait(browser, 60)
+
+    browser.get(controller + "/dashboard")
+    wait.until(seen.presence_of_element_located((By.ID, "key"))).send_keys(dev_keys["tenant_key"])
+    browser.find_element(By.ID, "login").click()
+    assert "admin key" in wait.until(seen.presence_of_element_located((By.ID, "login-error"))).text
+
+    browser.find_element(By.ID, "key").send_keys(admin_key(settings))
+    browser.find_element(By.ID, "login").click()
+    # Both versions' curves, drawn from their judged completions once the reward window closes.
+    for version in (before, candidate.version):
+        WebDriverWait(browser, 90, poll_frequency=2).until(
+            lambda b, v=version: b.find_elements(By.CSS_SELECTOR, f'#rates svg g[id="accept-{v}"]')
+            or b.execute_script("refreshPlot()"))
+    assert candidate.version in browser.execute_script("return document.querySelector('#rates').textContent")
+    refreshed = WebDriverWait(browser, 60, ignored_exceptions=[StaleElementReferenceException])
+    refreshed.until(lambda b: any(row.text.startswith(f"{candidate.version} stable")
+                                  for row in b.find_elements(By.CSS_SELECTOR, "#versions tbody tr")))
+
+    # The page's session cannot be replayed without its CSRF token (another site's form).
+    cookie = browser.get_cookie("liverl_session")["value"]
+    forged = httpx.post(controller + "/admin/rollback", json={"reason": "from another site"},
+                        cookies={"liverl_session": cookie}, timeout=30)
+    assert forged.status_code == 403 and "CSRF" in forged.text
+
+    browser.find_element(By.ID, "rollback").click()  # no reason yet: refused in the page
+    assert "reason is required" in browser.find_element(By.ID, "message").text
+    browser.find_element(By.ID, "reason").send_keys("dashboard test: users complain")
+    browser.find_element(By.ID, "rollback").click()
+    WebDriverWait(browser, 600).until(seen.text_to_be_present_in_element((By.ID, "message"), "rollback done"))
+    assert {r.policy_version for r in read_pool(settings).replicas} == {before}
+    assert registry.get(candidate.version).state == "rolled_back"
+    assert registry.history(candidate.version)[-1]["reason"] == "dashboard test: users complain"
+    wait.until(seen.text_to_be_present_in_element((By.ID, "history"), "dashboard test: users complain"))
+    SCREENSHOT.parent.mkdir(exist_ok=True)
+    browser.save_screenshot(str(SCREENSHOT))
