@@ -252,6 +252,28 @@ def change(settings: Settings, action: str, path: str, body: dict, act_here) -> 
     return response.json()
 
 
+@policy_app.command("import")
+def policy_import(model_dir: Path, reason: str = ChangeReason, data_dir: Optional[Path] = DataDir,
+                  as_json: bool = Json) -> None:
+    """A Hugging Face model directory in as a policy version: the first one becomes stable
+    (what replicas start from and `liverl replica add` checks them against); later ones
+    are candidates, to promote by hand."""
+    from app.stack import import_version
+    from policies.registry import Registry
+
+    settings = settings_from(data_dir)
+    state = "candidate" if Registry(settings.policies_dir).stable() else "stable"
+    try:
+        version = import_version(settings, model_dir, "cli", state)
+    except ValueError as error:
+        fail(str(error))
+    operator_audit(settings, "policy.import", version.version, reason=reason, source=str(model_dir))
+    if as_json:
+        console.print_json(version.model_dump_json())
+    else:
+        console.print(f"{model_dir} is {version.version} ({version.state})")
+
+
 @policy_app.command("list")
 def policy_list(data_dir: Optional[Path] = DataDir, as_json: bool = Json) -> None:
     from policies.registry import Registry
@@ -342,16 +364,47 @@ def policy_unpin(reason: str = ChangeReason, data_dir: Optional[Path] = DataDir,
     pin_command(False, reason, data_dir, as_json)
 
 
+def alias_command(alias: str, version: Optional[str], reason: str, data_dir: Optional[Path], as_json: bool) -> None:
+    from policies.registry import Registry
+    from promotion.promoter import Promoter
+
+    settings = settings_from(data_dir)
+    result = change(settings, "policy.alias", f"/admin/aliases/{alias}", {"reason": reason, "version": version},
+                    lambda: Promoter(settings, Registry(settings.policies_dir)).move_alias(alias, version, "cli", reason))
+    if as_json:
+        console.print_json(json.dumps(result))
+    else:
+        console.print(f"{alias} -> {version}" if version else f"{alias} removed")
+
+
+@policy_app.command("alias")
+def policy_alias(alias: str, version: str, reason: str = ChangeReason, data_dir: Optional[Path] = DataDir,
+                 as_json: bool = Json) -> None:
+    """Name a version for your team (champion, challenger...): requests with
+    `x-liverl-alias: NAME` go to the replicas serving it. stable and canary move only by
+    promote, abort and rollback."""
+    alias_command(alias, version, reason, data_dir, as_json)
+
+
+@policy_app.command("unalias")
+def policy_unalias(alias: str, reason: str = ChangeReason, data_dir: Optional[Path] = DataDir,
+                   as_json: bool = Json) -> None:
+    """Remove a team's alias."""
+    alias_command(alias, None, reason, data_dir, as_json)
+
+
 DIFF_SQL = """SELECT tenant, policy_version, toInt64(sum(samples)) AS n, sum(reward_sum) AS reward_sum,
     toInt64(sum(accepted)) AS accepted, toInt64(sum(judged)) AS judged
 FROM version_hourly WHERE policy_version IN ('{a}', '{b}') GROUP BY tenant, policy_version ORDER BY tenant"""
 
 
 @policy_app.command("diff")
-def policy_diff(a: str, b: str, data_dir: Optional[Path] = DataDir, as_json: bool = Json) -> None:
+def policy_diff(a: str, b: str, data_dir: Optional[Path] = DataDir, as_json: bool = Json,
+                kl_completions: int = typer.Option(64, min=0, help="Logged completions the KL between them "
+                                                   "is measured on (0: skip).")) -> None:
     """Two versions side by side: live reward and accept rate per tenant with 95% intervals
-    (ClickHouse), the offline gate's estimate, train/inference mismatch, the KL between
-    them where one is the other's parent (on the child's training tokens), and the delta size."""
+    (ClickHouse), the offline gate's estimate and KL from stable, train/inference mismatch,
+    the KL between them on logged production completions, and the delta size."""
     from pydantic import TypeAdapter, ValidationError
 
     from liverl.contracts import VersionName
@@ -372,7 +425,6 @@ def policy_diff(a: str, b: str, data_dir: Optional[Path] = DataDir, as_json: boo
         records = read_records(sync_store(settings))
     except Exception:  # a store that cannot be read leaves the size blank, not the diff
         records = {}
-    child = next((v for v in versions if v.parent in (a, b) and v.parent != v.version), None)
     figures: dict[str, dict] = {}
     for v in versions:
         gate = (v.metrics.get("gate") or {}).get("candidate") or {}
@@ -380,6 +432,7 @@ def policy_diff(a: str, b: str, data_dir: Optional[Path] = DataDir, as_json: boo
         figures[v.version] = {
             "state": v.state, "parent": v.parent,
             "offline_estimate": gate.get("value"), "offline_ess": gate.get("ess"),
+            "kl_from_stable_at_gate": (v.metrics.get("gate") or {}).get("kl_from_stable"),
             "logprob_mismatch_mean": v.metrics.get("logprob_mismatch_mean"),
             "delta_bytes_from_parent": record.delta.size if record and record.delta else None,
             "tenants": {}}
@@ -388,12 +441,12 @@ def policy_diff(a: str, b: str, data_dir: Optional[Path] = DataDir, as_json: boo
         figures[row["policy_version"]]["tenants"][row["tenant"]] = {
             "served": row["n"], "mean_reward": row["reward_sum"] / max(row["n"], 1),
             "accept_rate": row["accepted"] / row["judged"] if row["judged"] else None, "accept_ci": [lo, hi]}
-    answer = {"a": a, "b": b, "versions": figures,
-              "kl_parent_to_child": child.metrics.get("kl_from_parent") if child else None}
+    answer = {"a": a, "b": b, "versions": figures, "kl_on_logged": logged_kl(settings, *versions, kl_completions)}
     if as_json:
         console.print_json(json.dumps(answer))
         return
-    fields = ["state", "parent", "offline_estimate", "offline_ess", "logprob_mismatch_mean", "delta_bytes_from_parent"]
+    fields = ["state", "parent", "offline_estimate", "offline_ess", "kl_from_stable_at_gate", "logprob_mismatch_mean",
+              "delta_bytes_from_parent"]
     print_rows([{"": f, a: figures[a][f], b: figures[b][f]} for f in fields], f"{a} against {b}")
     def accept_cell(live: dict | None) -> str:
         if not live or live["accept_rate"] is None:
@@ -403,7 +456,34 @@ def policy_diff(a: str, b: str, data_dir: Optional[Path] = DataDir, as_json: boo
     tenants = sorted({t for v in (a, b) for t in figures[v]["tenants"]})
     print_rows([{"tenant": t, **{f"{v} accept (95% CI)": accept_cell(figures[v]["tenants"].get(t)) for v in (a, b)}}
                 for t in tenants], "live, per tenant")
-    console.print(f"KL(parent || child) on the child's training tokens: {answer['kl_parent_to_child']}")
+    kl = answer["kl_on_logged"]
+    console.print(f"KL({a} || {b}) per token on {kl['completions']} logged completions: {kl['value']}"
+                  + (f" ({kl['why']})" if kl.get("why") else ""))
+
+
+KL_SQL = """SELECT prompt_text, completion_text FROM trajectories
+WHERE policy_version IN ('{a}', '{b}') AND source != 'rollout' ORDER BY timestamp DESC LIMIT {n}"""
+
+
+def logged_kl(settings, a, b, n: int) -> dict:
+    """KL(a || b) on the newest `n` production completions either version served, as the
+    users' prompts and the policy's answers were logged (policies/divergence.py)."""
+    from transformers import AutoTokenizer
+
+    from policies.divergence import kl_between
+
+    missing = [v.version for v in (a, b) if not (Path(v.model_dir) / "config.json").exists()]
+    if missing or n == 0:
+        return {"value": None, "completions": 0,
+                "why": f"weights of {', '.join(missing)} no longer kept (retention)" if missing else "not asked"}
+    rows = json.loads(run_sql(settings, KL_SQL.format(a=a.version, b=b.version, n=n), "json"))["data"]
+    tokenizer = AutoTokenizer.from_pretrained(a.model_dir)
+    sequences = []
+    for row in rows:
+        prompt = tokenizer(row["prompt_text"])["input_ids"]
+        sequences.append((prompt + tokenizer(row["completion_text"], add_special_tokens=False)["input_ids"], len(prompt)))
+    value = kl_between(Path(a.model_dir), Path(b.model_dir), sequences)
+    return {"value": value, "completions": len(rows), "why": None if rows else "no logged completions yet"}
 
 
 def utc_text(t: float) -> str:
@@ -460,6 +540,9 @@ def policy_history(version: Optional[str] = typer.Argument(None, help="One versi
     if version is None:
         rows += [dict(version=p.version, at=utc_text(p.at), **{"from": "", "to": "pinned" if p.pinned else "unpinned"},
                       actor=p.actor, reason=p.reason) for p in registry.pins()]
+        rows += [dict(version=m.version, at=utc_text(m.at), **{"from": "", "to": f"alias {m.alias}"
+                      if m.version else f"alias {m.alias} removed"}, actor=m.actor, reason=m.reason)
+                 for m in registry.alias_moves()]
         rows.sort(key=lambda r: r["at"])
     show(rows, f"history of {version or 'every version'}", as_json)
 
@@ -487,6 +570,84 @@ def demo(minutes: float = typer.Option(10.0, help="How long the simulated produc
 
 
 # --- learner --------------------------------------------------------------------------------
+replica_app = typer.Typer(help="The serving replicas the gateway routes to: started by `liverl up`, or "
+                          "registered here when they run elsewhere (production).")
+app.add_typer(replica_app, name="replica")
+
+
+@replica_app.command("list")
+def replica_list(data_dir: Optional[Path] = DataDir, as_json: bool = Json) -> None:
+    from liverl.pool import read_pool
+
+    show([r.model_dump() for r in read_pool(settings_from(data_dir)).replicas], "replicas", as_json)
+
+
+@replica_app.command("add")
+def replica_add(name: str, url: str, reason: str = ChangeReason, data_dir: Optional[Path] = DataDir,
+                version: Optional[str] = typer.Option(None, help="The version it serves (default: stable, or "
+                                                      "the alias's version)."),
+                alias: Optional[str] = typer.Option(None, help="Dedicate it to a team alias: it answers only "
+                                                    "requests naming the alias, and no swap touches it.")) -> None:
+    """Route to a vLLM replica started elsewhere (`vllm serve` on the version's weights,
+    served model name liverl-policy): taken only once its answers reproduce the version's
+    probe logprobs, so the gateway never sends users to the wrong weights."""
+    import httpx as http
+
+    from liverl.pool import Replica, read_pool, write_pool
+    from policies.registry import Registry
+    from serving.swap import VerificationFailed, verify
+
+    settings = settings_from(data_dir)
+    registry = Registry(settings.policies_dir)
+    if alias is not None:
+        if alias not in registry.aliases():
+            fail(f"no team alias {alias!r} (`liverl policy alias {alias} VERSION` first)")
+        if version not in (None, registry.aliases()[alias]):
+            fail(f"alias {alias} names {registry.aliases()[alias]}, not {version}")
+        version = registry.aliases()[alias]
+    if version is None and registry.stable() is None:
+        fail("no stable version yet: `liverl policy import` one first")
+    try:
+        record = registry.get(version or registry.stable().version)
+    except KeyError as error:
+        fail(error.args[0])
+    pool = read_pool(settings)
+    if any(r.name == name for r in pool.replicas):
+        fail(f"a replica named {name!r} is already in the pool (`liverl replica remove` it first)")
+    try:
+        diff = verify(url, Path(record.model_dir), settings.learner.probe_tolerance)
+    except VerificationFailed as error:
+        fail(f"{url} does not serve {record.version}'s weights: {error}")
+    except http.HTTPError as error:
+        fail(f"{url} does not answer as a vLLM replica: {error!r}")
+    pool.replicas.append(Replica(name=name, url=url, policy_version=record.version, model_dir=record.model_dir,
+                                 alias=alias))
+    write_pool(settings, pool)
+    operator_audit(settings, "replica.add", name, reason=reason, url=url, version=record.version, alias=alias)
+    console.print(f"{name} at {url} serves {record.version} (probe within {diff:.1e}); the gateway routes "
+                  + (f"requests for alias {alias} to it" if alias else "to it"))
+
+
+@replica_app.command("remove")
+def replica_remove(name: str, reason: str = ChangeReason, data_dir: Optional[Path] = DataDir) -> None:
+    """Stop routing to a replica (the process itself is not touched)."""
+    from liverl.pool import read_pool, write_pool
+
+    settings = settings_from(data_dir)
+    pool = read_pool(settings)
+    gone = [r for r in pool.replicas if r.name == name]
+    if not gone:
+        fail(f"no replica named {name!r} (replicas: {', '.join(r.name for r in pool.replicas) or 'none'})")
+    left = [r for r in pool.replicas if r.name != name]
+    stable = pool.aliases.get("stable")
+    if stable and not any(r.enabled and r.alias is None and r.policy_version == stable for r in left):
+        fail(f"{name} is the last replica serving stable ({stable}); add another first")
+    pool.replicas = left
+    write_pool(settings, pool)
+    operator_audit(settings, "replica.remove", name, reason=reason, url=gone[0].url)
+    console.print(f"{name} removed from the pool; the gateway no longer routes to it")
+
+
 learner_app = typer.Typer(help="The learner: its status; pause or resume learning.")
 app.add_typer(learner_app, name="learner")
 
@@ -564,7 +725,7 @@ def main() -> None:
     """The `liverl` command; a bad setting is one line naming its variable, not a traceback."""
     from pydantic import ValidationError
 
-    from liverl.settings import describe_error
+    from liverl.settings import ConfigFileError, describe_error
 
     try:
         app()
@@ -572,6 +733,9 @@ def main() -> None:
         if error.title not in ("Settings", "WithDefaults"):
             raise
         console.print(f"[red]error:[/red] {describe_error(error)}", soft_wrap=True)
+        raise SystemExit(1) from None
+    except ConfigFileError as error:
+        console.print(f"[red]error:[/red] {error}", soft_wrap=True)
         raise SystemExit(1) from None
 
 

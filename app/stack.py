@@ -36,7 +36,7 @@ from liverl.manifest import (
 from liverl.pool import Pool, read_pool, write_pool
 from liverl.process import alive, spawn, stop_pid, wait_until, yield_cpu
 from liverl.settings import EmbeddedBroker, Settings
-from policies.registry import Registry
+from policies.registry import PolicyVersion, Registry, State
 from serving.replicas import (
     ReplicaError,
     launch_replica,
@@ -162,18 +162,25 @@ def starter_version(settings: Settings, progress: bool) -> tuple[str, Path]:
 
         source = build_starter_policy(settings.starter.cache_dir, seed=settings.starter.seed,
                                       progress=progress)
-    from liverl.probe import PROBE_FILE, probe_logprobs  # torch: only on first start
+    v0 = import_version(settings, Path(source), "liverl up", "stable")
+    return v0.version, Path(v0.model_dir)
 
-    staged = settings.policies_dir / "staging-v0"
-    shutil.rmtree(staged, ignore_errors=True)
+
+def import_version(settings: Settings, source: Path, actor: str, state: State) -> PolicyVersion:
+    """A Hugging Face model directory in as the next version, with the probe a swap
+    verifies it by (written here when the directory has none)."""
+    from liverl.probe import PROBE_FILE, probe_logprobs  # torch: only when importing
+
+    if not (source / "config.json").is_file():
+        raise ValueError(f"{source} is not a Hugging Face model directory (no config.json)")
+    registry = Registry(settings.policies_dir)
+    staged = settings.policies_dir / f"staging-import-{uuid.uuid4().hex[:8]}"
     shutil.copytree(source, staged)
     if not (staged / PROBE_FILE).exists():
         from transformers import AutoTokenizer
 
         (staged / PROBE_FILE).write_text(json.dumps(probe_logprobs(staged, AutoTokenizer.from_pretrained(staged))))
-    v0 = registry.publish(staged, parent=None, window=None, metrics={}, sample_ids=[],
-                          actor="liverl up", state="stable")
-    return v0.version, Path(v0.model_dir)
+    return registry.publish(staged, parent=None, window=None, metrics={}, sample_ids=[], actor=actor, state=state)
 
 
 def running(settings: Settings) -> bool:
@@ -215,7 +222,8 @@ def up(settings: Settings, say: Callable[[str], None] = print, progress: bool = 
         launcher.python("api", settings.ports.api)
         started = [launch_replica(settings, f"replica-{i}", model_dir, replica_url(settings, i), version)
                    for i in range(settings.serving.replicas)]
-        write_pool(settings, Pool(replicas=[r for r, _ in started], aliases={"stable": version}))  # so a failure below stops them
+        aliases = {**Registry(settings.policies_dir).aliases(), "stable": version}  # the teams' aliases too
+        write_pool(settings, Pool(replicas=[r for r, _ in started], aliases=aliases))  # so a failure below stops them
         for replica, process in started:
             wait_replica(settings, replica, process)
             say(f"  {replica.name:<10} {replica.url} serving {version}")
@@ -232,6 +240,7 @@ def up(settings: Settings, say: Callable[[str], None] = print, progress: bool = 
     manifest = Manifest(cluster_id=cluster_id, started_at=time.time(), components=launcher.started)
     manifest_file(settings).write_text(manifest.model_dump_json(indent=2))
     say(f"  keys       {keys}")
+    say(f"  dashboard  {settings.url(settings.ports.controller)}/dashboard (log in with the admin key in {keys.name})")
     return manifest
 
 

@@ -255,6 +255,23 @@ def timestamp_literal(t: datetime) -> str:
     return f"toDateTime64({t.timestamp():.3f}, 3, 'UTC')"
 
 
+class ServingFigures(BaseModel):
+    """How one version's answers went, whatever the users thought of them."""
+
+    policy_version: str
+    requests: int
+    errors: int = Field(description="Answers with a server error (status 500 or more, or an error recorded).")
+    p50_ms: float = Field(description="Median latency, milliseconds.")
+    p99_ms: float = Field(description="99th percentile latency, milliseconds.")
+
+
+SERVING_SQL = """SELECT policy_version, toInt64(count()) AS requests,
+    toInt64(countIf(status >= 500 OR error IS NOT NULL)) AS errors,
+    quantileExact(0.5)(latency_ms) AS p50_ms, quantileExact(0.99)(latency_ms) AS p99_ms
+FROM requests FINAL WHERE policy_version IN ({versions}) AND timestamp >= {since} AND timestamp < {until}
+GROUP BY policy_version ORDER BY policy_version"""
+
+
 def figures_sql(request: FiguresRequest) -> str:
     return FIGURES_SQL.format(versions=", ".join(quote(v) for v in request.versions),
                               since=timestamp_literal(request.since), until=timestamp_literal(request.until),
@@ -302,6 +319,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         controller's live comparison (admin key; a fixed query, not analyst SQL)."""
         rows = await asyncio.to_thread(query_json, app.state.warehouse, figures_sql(body))
         return [VersionFigures(**row) for row in rows]
+
+    @app.post("/serving-figures")
+    async def serving_figures(body: FiguresRequest, key: KeyRecord = Depends(require_admin)) -> list[ServingFigures]:
+        """Per version, its answers' error rate and latency: the controller's serving checks
+        (admin key; every tenant together, as a quantile does not add up)."""
+        sql = SERVING_SQL.format(versions=", ".join(quote(v) for v in body.versions),
+                                 since=timestamp_literal(body.since), until=timestamp_literal(body.until))
+        rows = await asyncio.to_thread(query_json, app.state.warehouse, sql)
+        return [ServingFigures(**row) for row in rows]
 
     @app.post("/sql", response_class=PlainTextResponse)
     async def sql(body: SqlRequest, key: KeyRecord = Depends(require_key)) -> str:

@@ -44,6 +44,7 @@ from liverl.kafka import KAFKA_PYTHON_API_VERSION, encode, produce_sync
 from liverl.keys import KeyRecord, KeyStore, require_admin
 from liverl.observability import log, mount_metrics, setup_logging
 from liverl.settings import Settings, get_settings
+from policies.divergence import kl_between
 from policies.offline_eval import offline_check, snis
 from policies.registry import PolicyVersion, Registry, SampleWindow
 from sync.transport import ship
@@ -199,15 +200,16 @@ class Learner:
                 self.drop("untrainable")
         metrics["dropped"] = dict(self.dropped)
         metrics["after_rewind"] = self.applied_rewind  # Registry.head: trained after that rewind
+        staged = self.settings.policies_dir / f"staging-{self.current.seq + 1}"
+        shutil.rmtree(staged, ignore_errors=True)
+        self.trainer.export(staged)
         if self.holdout:
             rewards = torch.tensor([s.reward for s in self.holdout])
             candidate = snis(self.trainer.mean_log_ratios(self.holdout), rewards, self.config.gate_clip)
             parent = snis(self.trainer.mean_log_ratios(self.holdout, parent_weights), rewards, self.config.gate_clip)
-            verdict = offline_check(candidate, parent, self.config.gate_margin, self.config.gate_min_ess)
+            verdict = offline_check(candidate, parent, self.config.gate_margin, self.config.gate_min_ess,
+                                    self.kl_from_stable(staged), self.config.gate_max_kl)
             metrics["gate"] = verdict.model_dump()
-        staged = self.settings.policies_dir / f"staging-{self.current.seq + 1}"
-        shutil.rmtree(staged, ignore_errors=True)
-        self.trainer.export(staged)
         self.trainer.save_state(self.state_dir / f"v{self.current.seq + 1}.pt")
         version = self.registry.publish(
             staged, parent=self.current.version, window=self.window(batch), metrics=metrics,
@@ -229,6 +231,16 @@ class Learner:
             if not (self.settings.policies_dir / state.stem).exists():
                 state.unlink()
         return version
+
+    def kl_from_stable(self, staged: Path) -> float | None:
+        """KL(stable || staged) on the newest held-out logged samples: how far users would move."""
+        stable = self.registry.stable()
+        held = self.holdout[-self.config.gate_kl_samples:] if self.config.gate_kl_samples else []
+        if stable is None or not held:
+            return None
+        return kl_between(Path(stable.model_dir), staged, [
+            (s.trajectory.prompt_token_ids + s.trajectory.completion_token_ids, len(s.trajectory.prompt_token_ids))
+            for s in held])
 
     def commit(self, consumer: KafkaConsumer) -> None:
         consumer.commit({tp: OffsetAndMetadata(o, "", -1) for tp, o in self.next_offsets.items()})

@@ -54,6 +54,8 @@ TenantId = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0
 # A policy version's name ("v12"). It becomes a directory name on every replica and a key
 # in the delta store, so a name read from anywhere is checked against this first.
 VersionName = Annotated[str, Field(pattern=r"^v[0-9]{1,9}$")]
+# A team's name for a version (champion, challenger...); `stable` and `canary` are the lifecycle's.
+AliasName = Annotated[str, Field(pattern=r"^[a-z][a-z0-9_-]{0,31}$")]
 # An id prefixed with its tenant (samples): room for a tenant, ':', an Id and a suffix.
 ScopedId = Annotated[str, Field(min_length=1, max_length=300, pattern=r"^[A-Za-z0-9._:\-]+$")]
 

@@ -24,12 +24,19 @@ class Replica(BaseModel):
     model_dir: str
     enabled: bool = Field(True, description="False while draining or being swapped.")
     pid: int | None = None
+    alias: str | None = Field(None, description="Serves only requests naming this team alias (`x-liverl-alias`), "
+                              "and no swap touches it; None: general traffic, stable and canary.")
 
 
 class Pool(BaseModel):
     replicas: list[Replica] = Field(default_factory=list)
     aliases: dict[str, str] = Field(default_factory=dict, description="Alias -> version: `stable`, and "
                                     "`canary` while one is judged (the gateway gives it its traffic share).")
+
+    @property
+    def general(self) -> list[Replica]:
+        """The replicas of general traffic, which swaps move between stable and canary."""
+        return [r for r in self.replicas if r.alias is None]
 
     def get(self, name: str) -> Replica:
         for replica in self.replicas:

@@ -1,13 +1,16 @@
 """All of liverl's configuration, in one place.
 
-Every field is typed and described. Values come from defaults, then `LIVERL_*`
-environment variables (nested with `__`, e.g. `LIVERL_BROKER__BOOTSTRAP=...`), then
-CLI flags. Each embedded-or-server choice is a discriminated union of small configs.
+Every field is typed and described. Values come from defaults, then the deployment's
+TOML file named by `LIVERL_CONFIG_FILE` (a table per section, e.g. `[promotion]`: the
+promotion analysis in docs/production.md), then `LIVERL_*` environment variables
+(nested with `__`, e.g. `LIVERL_BROKER__BOOTSTRAP=...`), then CLI flags. Each
+embedded-or-server choice is a discriminated union of small configs.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Literal, Union
@@ -26,6 +29,7 @@ from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
+    TomlConfigSettingsSource,
 )
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -288,6 +292,10 @@ class LearnerConfig(Config):
     gate_margin: float = Field(0.05, ge=0.0, description="Candidate's lower bound may trail the parent by this.")
     gate_min_ess: float = Field(8.0, ge=0.0, description="Fewest effective held-out samples for a verdict.")
     gate_clip: float = Field(2.0, ge=1.0, description="Clip of the per-token geometric-mean sequence weight.")
+    gate_max_kl: float | None = Field(None, gt=0, description="Ceiling on the mean per-token KL(stable || "
+                                      "candidate) on held-out logged samples; None: measured, not enforced.")
+    gate_kl_samples: int = Field(32, ge=0, description="Newest held-out samples the KL from stable is measured "
+                                 "on (0: not measured).")
     threads: int = Field(1, ge=1, description="torch CPU threads of the learner.")
     probe_tolerance: float = Field(
         1e-4, gt=0.0, description="Max |replica - trainer| logprob on the probe set after a swap."
@@ -326,6 +334,12 @@ class PromotionConfig(Config):
                                    "compares two stables.")
     tenant_min_samples: int = Field(100, ge=10, description="Judged completions per arm before one tenant's "
                                     "traffic is compared on its own (fewer: it counts in the total only).")
+    error_check: bool = Field(True, description="A canary whose server-error rate is surely above stable's "
+                              "(the same always-valid test) is worse.")
+    latency_p99_ratio: float | None = Field(1.5, gt=1, description="A canary whose p99 latency is more than this "
+                                            "times stable's is worse; None: latency not checked.")
+    latency_min_requests: int = Field(200, ge=10, description="Answers of each version before their p99 "
+                                      "latencies are compared.")
     tenant_worse: Literal["abort", "hold"] = Field(
         "abort", description="A canary clearly worse for one tenant with enough traffic, though not overall: "
         "abort it, or hold it in canary (never promoted) and ask a human.")
@@ -344,11 +358,36 @@ class PromotionConfig(Config):
         return self
 
 
+CONFIG_FILE_VARIABLE = "LIVERL_CONFIG_FILE"
+
+
+class ConfigFileError(ValueError):
+    """The file `LIVERL_CONFIG_FILE` names is missing or is not TOML."""
+
+
+def config_file_source(settings_cls: type[BaseSettings]) -> TomlConfigSettingsSource:
+    """The deployment's TOML file, if `LIVERL_CONFIG_FILE` names one (it must exist)."""
+    path = os.environ.get(CONFIG_FILE_VARIABLE)
+    if path and not Path(path).is_file():
+        raise ConfigFileError(f"{CONFIG_FILE_VARIABLE}={path!r}: no such file")
+    try:
+        return TomlConfigSettingsSource(settings_cls, toml_file=Path(path) if path else None)
+    except ValueError as error:  # tomllib's decode error
+        raise ConfigFileError(f"{CONFIG_FILE_VARIABLE}={path!r}: not valid TOML: {error}") from None
+
+
 class Settings(BaseSettings):
-    """liverl's settings. Environment: `LIVERL_<FIELD>`, nested with `__`."""
+    """liverl's settings. Environment: `LIVERL_<FIELD>`, nested with `__`; below it, the
+    TOML file named by `LIVERL_CONFIG_FILE`."""
 
     model_config = SettingsConfigDict(env_prefix="LIVERL_", env_nested_delimiter="__",
                                       extra="forbid", validate_assignment=True)
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls, init_settings, env_settings,
+                                   dotenv_settings, file_secret_settings):
+        return (init_settings, env_settings, dotenv_settings, file_secret_settings,
+                config_file_source(settings_cls))
 
     data_dir: Path = Field(REPO_ROOT / ".liverl", description="Where all state lives.")
     host: str = Field("127.0.0.1", description="Interface every component binds to.")
@@ -482,7 +521,7 @@ def settings_with_defaults(defaults: dict, **values) -> Settings:
         def settings_customise_sources(cls, settings_cls, init_settings, env_settings,
                                        dotenv_settings, file_secret_settings):
             return (init_settings, env_settings, dotenv_settings, file_secret_settings,
-                    _Defaults(settings_cls, defaults))
+                    config_file_source(settings_cls), _Defaults(settings_cls, defaults))
 
     return WithDefaults(**values)
 

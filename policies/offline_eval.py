@@ -32,6 +32,8 @@ class Verdict(BaseModel):
     reason: str
     candidate: Estimate
     parent: Estimate
+    kl_from_stable: float | None = Field(None, description="Mean per-token KL(stable || candidate) on held-out "
+                                         "logged samples (policies/divergence.py).")
 
 
 def snis(mean_log_ratio: torch.Tensor, rewards: torch.Tensor, clip: float = 2.0) -> Estimate:
@@ -82,12 +84,17 @@ def capped_is(log_ratio: torch.Tensor, rewards: torch.Tensor, cap: float = 10.0,
     return Interval(value=(r_min + mean).item(), low=low.item(), high=high.item(), missing_mass=missing.item(), n=n)
 
 
-def offline_check(candidate: Estimate, parent: Estimate, margin: float, min_ess: float) -> Verdict:
+def offline_check(candidate: Estimate, parent: Estimate, margin: float, min_ess: float,
+                  kl_from_stable: float | None = None, max_kl: float | None = None) -> Verdict:
+    def verdict(passed: bool, reason: str) -> Verdict:
+        return Verdict(passed=passed, reason=reason, candidate=candidate, parent=parent, kl_from_stable=kl_from_stable)
+
     if min(candidate.ess, parent.ess) < min_ess:
-        return Verdict(passed=False, reason=f"inconclusive: effective sample size "
-                       f"{min(candidate.ess, parent.ess):.1f} < {min_ess}", candidate=candidate, parent=parent)
+        return verdict(False, f"inconclusive: effective sample size {min(candidate.ess, parent.ess):.1f} < {min_ess}")
     if candidate.lower < parent.value - margin:
-        return Verdict(passed=False, reason=f"inconclusive: lower bound {candidate.lower:.3f} < parent "
-                       f"{parent.value:.3f} - margin {margin}", candidate=candidate, parent=parent)
-    return Verdict(passed=True, reason=f"lower bound {candidate.lower:.3f} >= parent {parent.value:.3f} "
-                   f"- {margin}", candidate=candidate, parent=parent)
+        return verdict(False, f"inconclusive: lower bound {candidate.lower:.3f} < parent {parent.value:.3f} "
+                              f"- margin {margin}")
+    if max_kl is not None and kl_from_stable is not None and kl_from_stable > max_kl:
+        # However good it looks on few samples, users would get a policy far from today's.
+        return verdict(False, f"moved too far from stable: KL {kl_from_stable:.4f} > ceiling {max_kl}")
+    return verdict(True, f"lower bound {candidate.lower:.3f} >= parent {parent.value:.3f} - {margin}")

@@ -62,6 +62,9 @@ CREATE TABLE IF NOT EXISTS pins (
     id INTEGER PRIMARY KEY AUTOINCREMENT, alias TEXT, version TEXT, at REAL, actor TEXT,
     reason TEXT, pinned INTEGER
 );
+CREATE TABLE IF NOT EXISTS aliases (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, alias TEXT, version TEXT, at REAL, actor TEXT, reason TEXT
+);
 CREATE TABLE IF NOT EXISTS trained_samples (sample_id TEXT PRIMARY KEY, version TEXT);
 CREATE TABLE IF NOT EXISTS offsets (
     cluster_id TEXT, topic TEXT, partition INTEGER, next_offset INTEGER,
@@ -99,6 +102,19 @@ class Rewind(BaseModel):
     version: str
     at: float
     after_seq: int = Field(description="The newest version's seq when the rewind was asked.")
+    actor: str
+    reason: str
+
+
+LIFECYCLE_ALIASES = ("stable", "canary")
+
+
+class AliasMove(BaseModel):
+    """A team's alias pointed at a version (or removed: version None)."""
+
+    alias: str
+    version: str | None
+    at: float
     actor: str
     reason: str
 
@@ -300,6 +316,34 @@ class Registry:
         """Every pin and unpin, oldest first."""
         rows = self.db.execute("SELECT alias, version, at, actor, reason, pinned FROM pins ORDER BY id")
         return [Pin(**dict(zip(("alias", "version", "at", "actor", "reason", "pinned"), r))) for r in rows]
+
+    def move_alias(self, alias: str, version: str | None, actor: str, reason: str) -> AliasMove:
+        """Point a team's alias at a version (None removes it); each move is kept. `stable`
+        and `canary` move only with the lifecycle (promote, abort, rollback)."""
+        if not reason or not reason.strip():
+            raise IllegalTransition(f"a reason is required to move alias {alias}")
+        if alias in LIFECYCLE_ALIASES:
+            raise IllegalTransition(f"{alias} moves with the lifecycle: promote, abort or roll back instead")
+        if version is not None:
+            self.get(version)  # KeyError when there is no such version
+        elif alias not in self.aliases():
+            raise KeyError(f"no alias {alias!r} (aliases: {', '.join(sorted(self.aliases())) or 'none'})")
+        with self.transaction() as db:
+            db.execute("INSERT INTO aliases (alias, version, at, actor, reason) VALUES (?,?,?,?,?)",
+                       (alias, version, time.time(), actor, reason))
+        return self.alias_moves()[-1]
+
+    def alias_moves(self) -> list[AliasMove]:
+        """Every move of a team's alias, oldest first."""
+        rows = self.db.execute("SELECT alias, version, at, actor, reason FROM aliases ORDER BY id")
+        return [AliasMove(**dict(zip(("alias", "version", "at", "actor", "reason"), r))) for r in rows]
+
+    def aliases(self) -> dict[str, str]:
+        """The teams' aliases now: alias -> version."""
+        now: dict[str, str | None] = {}
+        for move in self.alias_moves():
+            now[move.alias] = move.version
+        return {alias: version for alias, version in now.items() if version is not None}
 
     def pinned(self, alias: str = "stable") -> Pin | None:
         """The alias's pin, if it is pinned now."""

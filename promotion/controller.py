@@ -37,11 +37,12 @@ from fastapi import FastAPI, HTTPException
 from pydantic import BaseModel, Field, field_validator
 
 from liverl.audit import AuditLog
+from liverl.contracts import AliasName, VersionName
 from liverl.keys import KeyRecord, KeyStore, admin_headers
 from liverl.observability import log, mount_metrics, setup_logging
 from liverl.pool import read_pool
 from liverl.settings import Settings, get_settings
-from policies.registry import REJECTED, Pin, PolicyVersion, Registry
+from policies.registry import REJECTED, AliasMove, Pin, PolicyVersion, Registry
 from promotion.dashboard import Operator, mount_dashboard
 from promotion.promoter import Promoter
 from promotion.sequential import Arm, Comparison, compare, confidence_sequence
@@ -99,6 +100,37 @@ class Controller:
 
     def figures(self, versions: list[str], since: float, until: float) -> Figures:
         return Figures(self.figure_rows(versions, since, until))
+
+    def serving_figures(self, versions: list[str], since: float, until: float) -> dict[str, dict]:
+        """The sink's `/serving-figures`: per version, answers, server errors, p50 and p99 latency."""
+        response = httpx.post(self.settings.url(self.settings.ports.sink) + "/serving-figures", timeout=30,
+                              headers=admin_headers(self.settings),
+                              json={"versions": versions, "since": utc(since), "until": utc(until)})
+        response.raise_for_status()
+        return {row["policy_version"]: row for row in response.json()}
+
+    def serving_checks(self, rows: dict[str, dict], stable: str, canary: str) -> list[Comparison]:
+        """Whatever users thought of them, the canary's answers must not fail more often
+        (the always-valid test on the share of answers without a server error) nor be much
+        slower (p99 latency within `latency_p99_ratio` of stable's: a fixed threshold, as a
+        quantile has no running test here). These only ever find a canary worse."""
+        if stable not in rows or canary not in rows:
+            return []
+        s, c, config = rows[stable], rows[canary], self.config
+        checks = []
+        if config.error_check:
+            ok = [Arm(n=r["requests"], total=r["requests"] - r["errors"], squares=r["requests"] - r["errors"])
+                  for r in (s, c)]
+            checks.append(compare("success_rate", *ok, alpha=config.false_abort_rate, tau=config.mixture_sd,
+                                  margin=0.0, min_samples=config.min_samples))
+        if config.latency_p99_ratio is not None:
+            enough = min(s["requests"], c["requests"]) >= config.latency_min_requests
+            slow = enough and c["p99_ms"] > config.latency_p99_ratio * s["p99_ms"]
+            difference = c["p99_ms"] - s["p99_ms"]
+            checks.append(Comparison(metric="latency_p99_ms", decision="worse" if slow else "continue",
+                                     canary_n=c["requests"], stable_n=s["requests"], canary_mean=c["p99_ms"],
+                                     stable_mean=s["p99_ms"], difference=difference, low=difference, high=difference))
+        return checks
 
     def alert(self, event: str, version: str, reason: str, **figures: object) -> None:
         """Tell a human, without waiting for them: POST the event to the alert webhook
@@ -160,7 +192,7 @@ class Controller:
                     reason=gate["reason"] if gate else "no held-out samples yet")
             self.state = f"{newest.version} waits for the offline gate"
             return
-        if self.config.canary_guard and len(read_pool(self.settings).replicas) < 2:
+        if self.config.canary_guard and len(read_pool(self.settings).general) < 2:
             self.state = ("refusing canaries: the live guard compares a canary with stable on a second "
                           "replica (serving.replicas >= 2, or promotion.canary_guard=false)")
             return
@@ -224,12 +256,17 @@ class Controller:
             verdict = "non_inferior"
         elif age > self.config.max_canary_s or canary_n >= self.config.max_samples:
             verdict = "inconclusive"
+        serving = self.serving_checks(self.serving_figures([stable.version, canary.version], info["started_at"], now),
+                                      stable.version, canary.version)
+        if failing := [c for c in serving if c.decision == "worse"]:
+            verdict = "worse"  # failing or slow answers: whatever the feedback says
+            comparisons = comparisons + failing
         if verdict != "worse" and (worse_for := [c for c in tenants if c.decision == "worse"]):
             # Fine on average, clearly worse for someone with enough traffic to tell.
             verdict = "worse" if self.config.tenant_worse == "abort" else "held"
             comparisons = comparisons + worse_for
         info = dict(info, verdict=verdict, seconds=round(age, 1), comparisons=[c.model_dump() for c in comparisons],
-                    tenants=[c.model_dump() for c in tenants])
+                    tenants=[c.model_dump() for c in tenants], serving=[c.model_dump() for c in serving])
         self.registry.update_metrics(canary.version, canary=info)
         if verdict == "continue":
             if canary_n >= self.config.canary_refresh_samples and not pin and (newer := self.newer_candidate(canary)):
@@ -364,6 +401,10 @@ class RollbackRequest(Reason):
     to: str | None = Field(None, description="The version to put back (default: the previous stable one).")
 
 
+class AliasRequest(Reason):
+    version: VersionName | None = Field(description="The version the alias names; null removes the alias.")
+
+
 class PolicyDetail(BaseModel):
     version: PolicyVersion
     history: list[dict] = Field(description="Every state change: version, at, from, to, actor, reason.")
@@ -375,6 +416,7 @@ class Analysis(BaseModel):
     verdict: str | None = Field(description="The guard's latest verdict; None for a version it never judged.")
     seconds: float | None = Field(description="How long it had been judged at that verdict.")
     comparisons: list[dict] = Field(description="Canary against stable per metric (and tenants found worse).")
+    serving: list[dict] = Field(description="Canary against stable on server errors and p99 latency.")
     tenants: list[dict] = Field(description="Each tenant with enough traffic, on its own.")
     passed: bool = Field(description="It reached stable.")
     failed: bool = Field(description="It was found worse or taken off users.")
@@ -438,6 +480,7 @@ def create_app(controller: Controller) -> FastAPI:
         verdict = info.get("verdict", "continue" if record.state in ("candidate", "canary") else None)
         return Analysis(version=version, state=record.state, verdict=verdict, seconds=info.get("seconds"),
                         comparisons=info.get("comparisons", []), tenants=info.get("tenants", []),
+                        serving=info.get("serving", []),
                         passed=record.state == "stable", failed=record.state in REJECTED or verdict == "worse")
 
     @app.post("/admin/policies/{version}/promote")
@@ -457,6 +500,17 @@ def create_app(controller: Controller) -> FastAPI:
         """The previous stable (or `to`) back on every replica; returns once verified serving."""
         return act(key, "policy.rollback", body.to or "previous stable", body.reason,
                    lambda: promoter.rollback(key.key_id, body.reason, to=body.to))
+
+    @app.get("/admin/aliases")
+    def aliases(key: Operator) -> dict[str, str]:
+        """Every alias the gateway routes by (`x-liverl-alias`): stable, canary and the teams' own."""
+        return read_pool(controller.settings).aliases
+
+    @app.post("/admin/aliases/{alias}")
+    def move_alias(alias: AliasName, body: AliasRequest, key: Operator) -> AliasMove:
+        """Point a team's alias at a version, or remove it (`version` null)."""
+        return act(key, "policy.alias", alias, body.reason,
+                   lambda: promoter.move_alias(alias, body.version, key.key_id, body.reason))
 
     @app.post("/admin/pin")
     def pin(body: Reason, key: Operator) -> Pin:

@@ -15,7 +15,7 @@ from liverl.kafka import encode, produce_sync
 from liverl.observability import log, setup_logging
 from liverl.pool import read_pool, set_aliases
 from liverl.settings import Settings
-from policies.registry import REJECTED, PolicyVersion, Registry, State
+from policies.registry import REJECTED, AliasMove, PolicyVersion, Registry, State
 
 logger = setup_logging("promotion")
 
@@ -56,7 +56,7 @@ class Promoter:
         if self.registry.get(version).state != "canary":  # a canary already: finish its swap (a restart)
             self.transition(version, "canary", actor, reason)
         stable = self.registry.stable()
-        others = [r for r in read_pool(self.settings).replicas if r.policy_version != version]
+        others = [r for r in read_pool(self.settings).general if r.policy_version != version]
         # A replica still on an earlier canary first: stable keeps serving where it is.
         others.sort(key=lambda r: stable is not None and r.policy_version == stable.version)
         replica = others[0] if others else None
@@ -68,6 +68,13 @@ class Promoter:
             return self.transition(version, "rolled_back", actor, f"{report.replica}: {report.error}")
         set_aliases(self.settings, canary=version)  # the gateway gives it serving.canary_share of sessions
         return self.registry.get(version)
+
+    def move_alias(self, alias: str, version: str | None, actor: str, reason: str) -> AliasMove:
+        """A team's alias to a version (None removes it), in the registry's history and in
+        the pool the gateway routes by (`x-liverl-alias`)."""
+        move = self.registry.move_alias(alias, version, actor, reason)
+        set_aliases(self.settings, **{alias: version})
+        return move
 
     def finish(self, version: str, actor: str, reason: str) -> PolicyVersion:
         """From canary to every replica; the previous stable is superseded."""
@@ -105,10 +112,9 @@ class Promoter:
             if failed:
                 log(logger, "could not put stable back", version=stable.version, error=failed[0].error)
         set_aliases(self.settings, canary=None)
-        aborted = self.transition(version, state, actor, reason)
-        if stable and state == "aborted":
+        if stable and state == "aborted":  # before the move: killed in between, a restart aborts again
             self.registry.request_rewind(stable.version, actor, f"{version} aborted: {reason}")
-        return aborted
+        return self.transition(version, state, actor, reason)
 
     def rollback(self, actor: str, reason: str, to: str | None = None) -> PolicyVersion:
         """Take the stable version out: `to` (default: the version stable before it)

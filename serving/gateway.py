@@ -24,6 +24,7 @@ from prometheus_client import Counter, Histogram
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from liverl.contracts import (
+    AliasName,
     Id,
     RequestRecord,
     SamplingParams,
@@ -50,6 +51,14 @@ class NoReplica(Exception):
     pass
 
 
+class Unroutable(Exception):
+    """A request for an alias the gateway cannot serve: `status` and why."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
 # --- What a request may ask: the fields the gateway reads or records are checked before
 # anything is forwarded; anything else is vLLM's to accept or refuse (it is forwarded).
 class CompletionRequest(BaseModel):
@@ -74,6 +83,7 @@ class ChatRequest(CompletionRequest):
 
 
 GROUP_ID = TypeAdapter(Id)  # a group id is recorded as an id: checked like one
+ALIAS = TypeAdapter(AliasName)
 
 
 def request_schema(model: type[BaseModel]) -> dict:
@@ -112,18 +122,32 @@ class Router:
             return on_canary
         return [r for r in enabled if r.policy_version != canary]
 
-    async def pick(self, session: str | None = None) -> Replica:
-        """The least busy enabled replica for the session; while a swap has none enabled,
-        wait for one."""
+    async def pick(self, session: str | None = None, alias: str | None = None) -> Replica:
+        """The least busy enabled replica for the session, or for the version `alias` names;
+        while a swap has none enabled, wait for one."""
         deadline = time.monotonic() + self.settings.serving.no_replica_wait_s
         while True:
             pool = self.pool()  # one look at the pool file per request
-            enabled = [r for r in pool.replicas if r.enabled]
+            if alias is None:
+                enabled = [r for r in pool.general if r.enabled]
+            else:  # the version's replicas, a team's own included
+                enabled = [r for r in pool.replicas if r.enabled and r.policy_version == aliased_version(pool, alias)]
             if enabled:
                 return min(self.for_session(pool, enabled, session), key=lambda r: self.inflight[r.name])
             if time.monotonic() > deadline:
                 raise NoReplica("no replica is serving")
             await asyncio.sleep(0.02)
+
+
+def aliased_version(pool: Pool, alias: str) -> str:
+    """The version an alias names, if some replica serves it (one being swapped counts:
+    the request waits for it like any other)."""
+    if alias not in pool.aliases:
+        raise Unroutable(404, f"x-liverl-alias: no alias {alias!r} (aliases: {', '.join(sorted(pool.aliases))})")
+    version = pool.aliases[alias]
+    if not any(r.policy_version == version for r in pool.replicas):
+        raise Unroutable(409, f"x-liverl-alias: {alias!r} names {version}, which no replica serves")
+    return version
 
 
 def upstream_body(body: dict[str, Any], chat: bool) -> dict[str, Any]:
@@ -344,11 +368,19 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 GROUP_ID.validate_python(group_id)
             except ValidationError as error:
                 return await refused(400, f"x-liverl-group-id: {error.errors()[0]['msg']}")
+        alias = request.headers.get("x-liverl-alias")  # a team's name for a version: only that version answers
+        if alias is not None:
+            try:
+                ALIAS.validate_python(alias)
+            except ValidationError as error:
+                return await refused(400, f"x-liverl-alias: {error.errors()[0]['msg']}")
         try:
             session = request.headers.get("x-liverl-session") or body.get("user")
-            replica = await router.pick(str(session) if session is not None else None)
+            replica = await router.pick(str(session) if session is not None else None, alias)
         except NoReplica as error:
             return await refused(503, str(error), kind="service_unavailable")
+        except Unroutable as error:
+            return await refused(error.status, str(error))
         completion_id = new_id("cmpl")
         http = client_for(replica)
         path = f"/v1/{'chat/completions' if chat else 'completions'}"

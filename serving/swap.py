@@ -244,7 +244,7 @@ def swap_by_restart(settings: Settings, name: str, version: str, model_dir: Path
 def roll_out(settings: Settings, version: str, model_dir: Path) -> list[SwapReport]:
     """Canary first: one replica, verified; then the rest. Stops at the first failure."""
     reports = []
-    for replica in read_pool(settings).replicas:
+    for replica in read_pool(settings).general:  # a team's dedicated replica keeps its version
         if replica.policy_version == version:
             continue
         report = replace_replica(settings, replica.name, version, model_dir)

@@ -52,7 +52,8 @@ def needs(settings: Settings, registry: Registry) -> Needs:
     for state in replica_states(settings).values():
         held |= {v for v in (state.held, state.previous) if v}
         pending |= {state.pending} if state.pending else set()
-    aliases = {v.version for v in registry.versions() if v.state in ("stable", "canary")}
+    aliases = {v.version for v in registry.versions() if v.state in ("stable", "canary")} | set(
+        registry.aliases().values())  # and what a team named
     stables = [e["version"] for e in registry.history() if e["to"] == "stable"]
     current = registry.stable()
     # The slide guard may put back any of the last few stables (promotion.slide_lookback).

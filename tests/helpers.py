@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -65,7 +66,17 @@ def restart_component(settings: Settings, name: str, env: dict[str, str]) -> int
     process = spawn([sys.executable, "-m", COMPONENTS[name]], dict(child_env(settings), **env), Path(component.log))
     component.pid = process.pid
     (settings.run_dir / "stack.json").write_text(manifest.model_dump_json(indent=2))
+    if component.url:  # answering again before the next test calls it
+        health = component.url + ("/" if name == "feedback" else "/health")
+        wait_for(lambda: answers(health), timeout=120)
     return process.pid
+
+
+def answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
 
 
 @contextmanager
@@ -94,3 +105,21 @@ def serving_load(settings: Settings, tenant_key: str, clients: int = 3) -> Itera
         stop.set()
         for t in threads:
             t.join()
+
+
+def serve_and_judge(settings, key: str, n: int) -> str:
+    """`n` completions through the gateway, each accepted or rejected by its user; the
+    version that served them."""
+    headers = {"Authorization": f"Bearer {key}"}
+    served = set()
+    with httpx.Client(timeout=60, headers=headers) as client:
+        for i in range(n):
+            response = client.post(settings.url(settings.ports.gateway) + "/v1/completions",
+                                   json={"prompt": "def add(a, b):\n", "max_tokens": 12, "temperature": 1.0})
+            assert response.status_code == 200, response.text
+            served.add(response.headers["x-liverl-policy-version"])
+            verdict = "accept" if i % 3 else "reject"
+            client.post(settings.url(settings.ports.api) + "/v1/ingestion", json={"batch": [item(
+                f"f-{uuid.uuid4().hex}", {"kind": verdict, "completion_id": response.json()["completion_id"]})]})
+    assert len(served) == 1, served
+    return served.pop()

@@ -47,8 +47,10 @@ def worse_copy(stable_dir: Path, out: Path) -> str:
     return tokenizer.decode([rare]).strip()
 
 
-def users(settings, key: str, marker: str, stop: threading.Event, served: dict[str, list[bool]]) -> None:
-    """A user who rejects every completion containing `marker` and accepts the rest."""
+def users(settings, key: str, marker: str, stop: threading.Event, served: dict[str, list[bool]],
+          likes_marker: bool = False) -> None:
+    """A user who rejects every completion containing `marker` and accepts the rest (or,
+    `likes_marker`, the other way round)."""
     gateway = httpx.Client(base_url=settings.url(settings.ports.gateway), timeout=60,
                            headers={"Authorization": f"Bearer {key}"})
     api = httpx.Client(base_url=settings.url(settings.ports.api), timeout=30,
@@ -59,7 +61,7 @@ def users(settings, key: str, marker: str, stop: threading.Event, served: dict[s
         if response.status_code != 200:
             continue
         body = response.json()
-        ok = marker not in body["choices"][0]["text"]
+        ok = (marker in body["choices"][0]["text"]) == likes_marker
         served.setdefault(response.headers["x-liverl-policy-version"], []).append(ok)
         api.post("/v1/ingestion", json={"batch": [item(f"f-{uuid.uuid4().hex}", {
             "kind": "accept" if ok else "reject", "completion_id": body["completion_id"]})]})
@@ -160,3 +162,56 @@ def test_head_follows_rewinds_and_rejected_chains_are_named(tmp_path, starter_di
     assert registry.head().version == v3.version and registry.continues_rejected(v3.version) is None
     with pytest.raises(KeyError):
         registry.request_rewind("v99", "test", "no such version")
+
+
+def test_a_canary_worse_for_one_tenant_only_is_held_and_its_history_names_the_tenant(
+        settings, stack, dev_keys, paused_learner):
+    registry = Registry(settings.policies_dir)
+    admin = admin_headers(settings)
+    acme = httpx.post(settings.url(settings.ports.api) + "/admin/keys", headers=admin, timeout=30,
+                      json={"tenant": "acme", "label": "second tenant", "scopes": ["feedback"]}).json()["key"]
+    alerts, webhook = alert_receiver()
+    restart_component(settings, "controller", {
+        "LIVERL_PROMOTION__CANARY_GUARD": "true", "LIVERL_PROMOTION__JUDGE_AFTER_S": "0",
+        "LIVERL_PROMOTION__MIN_SAMPLES": "30", "LIVERL_PROMOTION__TENANT_MIN_SAMPLES": "30",
+        "LIVERL_PROMOTION__TENANT_WORSE": "hold", "LIVERL_PROMOTION__POLL_S": "0.5",
+        "LIVERL_PROMOTION__ALERT_WEBHOOK": f"http://127.0.0.1:{webhook.server_port}/alerts"})
+    stop, threads = threading.Event(), []
+    stable = registry.stable()
+    try:
+        marker = worse_copy(Path(stable.model_dir), settings.data_dir / "staging-split")
+        candidate = registry.publish(settings.data_dir / "staging-split", parent=stable.version, window=None,
+                                     metrics={"gate": {"passed": True, "reason": "test"}}, sample_ids=[],
+                                     actor="test")
+        # dev's users like what the candidate writes and acme's hate it: about even on
+        # average, clearly worse for acme.
+        served = {"dev": {}, "acme": {}}
+        threads = [threading.Thread(target=users, daemon=True, args=(
+            settings, key, marker, stop, served[tenant]), kwargs={"likes_marker": tenant == "dev"})
+            for tenant, key in (("dev", dev_keys["tenant_key"]), ("acme", acme)) for _ in range(2)]
+        for t in threads:
+            t.start()
+        held = wait_for(lambda: [h for h in registry.history(candidate.version) if h["to"] == "held"],
+                        timeout=300, interval=1)
+        record = registry.get(candidate.version)
+        assert record.state == "canary" and record.metrics["canary"]["verdict"] == "held"
+        assert held[0]["actor"] == "controller" and "accept_rate[acme]" in held[0]["reason"]
+        assert "accept_rate[dev]" not in held[0]["reason"]  # dev found it better: not named
+        worse = [c for c in record.metrics["canary"]["tenants"] if c["decision"] == "worse"]
+        assert [c["metric"] for c in worse] == ["accept_rate[acme]"] and worse[0]["high"] < 0
+        alert = wait_for(lambda: alerts and alerts[0], timeout=30)
+        assert alert["event"] == "canary_held" and "acme" in alert["reason"]
+        wait_for(lambda: served["acme"].get(candidate.version), timeout=30)
+        assert registry.get(candidate.version).state == "canary"  # still held: never promoted on its own
+        # On-call decides: abort it; both replicas back on stable.
+        aborted = httpx.post(f"{settings.url(settings.ports.controller)}/admin/policies/{candidate.version}/abort",
+                             headers=admin, json={"reason": "worse for acme"}, timeout=600)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=60)
+        webhook.shutdown()
+        restart_component(settings, "controller", {})
+    assert aborted.status_code == 200 and aborted.json()["state"] == "aborted", aborted.text
+    assert {r.policy_version for r in read_pool(settings).replicas} == {stable.version}
+    wait_for(lambda: controller_idle(settings), timeout=60)

@@ -6,12 +6,11 @@ rollback clicked in the page is verified serving on every replica."""
 from __future__ import annotations
 
 import shutil
-import uuid
 from pathlib import Path
 
 import httpx
 import pytest
-from helpers import item
+from helpers import serve_and_judge
 from test_operations import publish_copy
 
 from liverl.keys import admin_headers, admin_key
@@ -36,24 +35,6 @@ def browser():
     driver = webdriver.Chrome(service=Service(driver_path), options=options)  # a given driver: nothing downloaded
     yield driver
     driver.quit()
-
-
-def serve_and_judge(settings, key: str, n: int) -> str:
-    """`n` completions through the gateway, each accepted or rejected by its user; the
-    version that served them."""
-    headers = {"Authorization": f"Bearer {key}"}
-    served = set()
-    with httpx.Client(timeout=60, headers=headers) as client:
-        for i in range(n):
-            response = client.post(settings.url(settings.ports.gateway) + "/v1/completions",
-                                   json={"prompt": "def add(a, b):\n", "max_tokens": 12, "temperature": 1.0})
-            assert response.status_code == 200, response.text
-            served.add(response.headers["x-liverl-policy-version"])
-            verdict = "accept" if i % 3 else "reject"
-            client.post(settings.url(settings.ports.api) + "/v1/ingestion", json={"batch": [item(
-                f"f-{uuid.uuid4().hex}", {"kind": verdict, "completion_id": response.json()["completion_id"]})]})
-    assert len(served) == 1, served
-    return served.pop()
 
 
 def test_a_tenant_key_never_sees_the_dashboard(settings, dev_keys, stack):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -127,6 +129,28 @@ def test_offline_gate_needs_evidence():
     assert not offline_check(snis(torch.zeros(3), rewards[:3]), same, margin=0.0, min_ess=5).passed
     worse = snis(torch.where(rewards > 0, -0.6, 0.6), rewards)
     assert not offline_check(worse, same, margin=0.0, min_ess=5).passed
+    # Better on the logs, but too far from what users get now: held at the gate.
+    far = offline_check(better, same, margin=0.0, min_ess=5, kl_from_stable=0.3, max_kl=0.1)
+    assert not far.passed and far.reason == "moved too far from stable: KL 0.3000 > ceiling 0.1"
+    assert offline_check(better, same, margin=0.0, min_ess=5, kl_from_stable=0.05, max_kl=0.1).passed
+
+
+def test_kl_between_versions_is_zero_for_the_same_weights_and_grows_with_a_change(starter_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from policies.divergence import kl_between
+
+    changed = tmp_path / "changed"
+    shutil.copytree(starter_dir, changed)
+    weights = load_file(changed / "model.safetensors")
+    head = next(k for k in weights if "lm_head" in k or "embed" in k)
+    generator = torch.Generator().manual_seed(0)
+    weights[head] = weights[head] + 0.05 * torch.randn(weights[head].shape, generator=generator).to(weights[head].dtype)
+    save_file(weights, changed / "model.safetensors", metadata={"format": "pt"})
+    sequences = [([1, 5, 9, 14, 20, 33], 2), ([7, 8, 9, 10], 1), ([3], 1)]  # the last has no completion
+    assert kl_between(starter_dir, starter_dir, sequences) == pytest.approx(0.0, abs=1e-6)
+    assert kl_between(starter_dir, changed, sequences) > 1e-4
+    assert kl_between(starter_dir, changed, [([3], 1)]) is None
 
 
 def test_clipped_surrogate_by_hand():

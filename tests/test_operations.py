@@ -7,10 +7,11 @@ from __future__ import annotations
 import json
 import shutil
 from datetime import datetime, timedelta, timezone
+from pathlib import Path
 
 import httpx
 import pytest
-from helpers import serving_load, wait_for
+from helpers import serve_and_judge, serving_load, sql, wait_for
 from typer.testing import CliRunner
 
 from app.cli import app
@@ -50,8 +51,10 @@ def test_no_admin_endpoint_answers_a_tenant_key_or_no_key(settings, dev_keys, co
             assert response.status_code == refused, (method, path, response.text)
 
 
-def test_every_change_needs_a_reason_and_an_illegal_one_says_what_is_allowed(controller, settings, paused_learner):
+def test_every_change_needs_a_reason_and_an_illegal_one_says_what_is_allowed(controller, settings, dev_keys,
+                                                                              paused_learner):
     stable = Registry(settings.policies_dir).stable().version
+    serve_and_judge(settings, dev_keys["tenant_key"], 6)  # logged traffic to compare the versions on
     for path in ("/admin/pin", f"/admin/policies/{stable}/abort", "/admin/rollback"):
         for body in ({}, {"reason": "   "}):
             response = controller.post(path, json=body)
@@ -65,9 +68,12 @@ def test_every_change_needs_a_reason_and_an_illegal_one_says_what_is_allowed(con
     missing = controller.post("/admin/policies/v99999/promote", json={"reason": "typo"})
     assert missing.status_code == 404 and "v99999" in missing.json()["detail"]
     # On-call compares two versions side by side.
+    wait_for(lambda: sql(settings, f"SELECT count() AS n FROM trajectories WHERE policy_version = '{stable}'")[0]["n"])
     diff = CliRunner().invoke(app, ["policy", "diff", "v0", stable, "--json", "--data-dir", str(settings.data_dir)])
     assert diff.exit_code == 0, diff.output
-    figures = json.loads(diff.output)["versions"]
+    answer = json.loads(diff.output)
+    figures, kl = answer["versions"], answer["kl_on_logged"]
+    assert (kl["completions"] > 0 and kl["value"] >= 0) or "retention" in kl["why"], kl
     assert set(figures) == {"v0", stable} and figures[stable]["state"] == "stable"
     for live in (t for f in figures.values() for t in f["tenants"].values()):
         assert live["served"] > 0 and 0 <= live["accept_ci"][0] <= live["accept_ci"][1] <= 1
@@ -164,3 +170,83 @@ def test_a_canary_takes_its_share_of_sessions_and_each_session_keeps_its_version
         promoter.abort(candidate.version, "test", "traffic share test over")
     assert {r.policy_version for r in read_pool(settings).replicas} == {stable.version}
     assert read_pool(settings).aliases == {"stable": stable.version}
+
+
+def test_a_team_alias_routes_requests_to_the_version_it_names(settings, dev_keys, controller, paused_learner):
+    registry = Registry(settings.policies_dir)
+    stable = registry.stable().version
+    served = {r.policy_version for r in read_pool(settings).replicas}
+    elsewhere = next(v.version for v in registry.versions() if v.version not in served)
+    gateway = httpx.Client(base_url=settings.url(settings.ports.gateway), timeout=120,
+                           headers={"Authorization": f"Bearer {dev_keys['tenant_key']}"})
+
+    def ask(alias: str) -> httpx.Response:
+        return gateway.post("/v1/completions", headers={"x-liverl-alias": alias},
+                            json={"model": "liverl", "prompt": "def f():\n", "max_tokens": 4})
+
+    try:
+        for alias, version in (("champion", stable), ("challenger", elsewhere)):
+            moved = controller.post(f"/admin/aliases/{alias}", json={"version": version, "reason": f"our {alias}"})
+            assert moved.status_code == 200 and moved.json()["version"] == version, moved.text
+        assert {"stable": stable, "champion": stable, "challenger": elsewhere}.items() <= controller.get(
+            "/admin/aliases").json().items()
+        answer = ask("champion")
+        assert answer.status_code == 200 and answer.headers["x-liverl-policy-version"] == stable
+        refused = ask("challenger")
+        assert refused.status_code == 409 and f"names {elsewhere}, which no replica serves" in refused.text
+        assert ask("nobody").status_code == 404 and "champion" in ask("nobody").text
+        assert ask("Not An Alias").status_code == 400
+        lifecycle = controller.post("/admin/aliases/stable", json={"version": elsewhere, "reason": "shortcut"})
+        assert lifecycle.status_code == 409 and "promote, abort or roll back" in lifecycle.text
+    finally:
+        for alias in ("champion", "challenger"):
+            controller.post(f"/admin/aliases/{alias}", json={"version": None, "reason": "test over"})
+        gateway.close()
+    assert "champion" not in controller.get("/admin/aliases").json()
+    history = json.loads(CliRunner().invoke(app, ["policy", "history", "--json", "--data-dir",
+                                                  str(settings.data_dir)]).output)
+    moves = [(h["to"], h["reason"]) for h in history if h["to"].startswith("alias champion")]
+    assert moves[-2:] == [("alias champion", "our champion"), ("alias champion removed", "test over")]
+
+
+def test_replicas_started_elsewhere_join_only_with_the_right_weights(settings, starter_dir, controller, paused_learner):
+    registry = Registry(settings.policies_dir)
+    stable = registry.stable()
+    first = read_pool(settings).replicas[0]
+    other = next((v for v in reversed(registry.versions()) if v.content_hash != stable.content_hash
+                  and (Path(v.model_dir) / "config.json").exists()), None)
+
+    def cli(*args: str):
+        return CliRunner().invoke(app, [*args, "--data-dir", str(settings.data_dir)])
+
+    try:
+        if other is not None:  # a replica that answers, but with other weights, is refused
+            refused = cli("replica", "add", "extra", first.url, "--version", other.version, "--reason", "scale out")
+            assert refused.exit_code == 1 and f"does not serve {other.version}'s weights" in refused.output
+        added = cli("replica", "add", "extra", first.url, "--reason", "scale out")
+        assert added.exit_code == 0 and f"serves {stable.version}" in " ".join(added.output.split()), added.output
+        assert [r.policy_version for r in read_pool(settings).replicas if r.name == "extra"] == [stable.version]
+        assert cli("replica", "add", "extra", first.url, "--reason", "again").exit_code == 1
+        unknown = cli("replica", "add", "team", first.url, "--alias", "nobody", "--reason", "bake-off")
+        assert unknown.exit_code == 1 and "no team alias 'nobody'" in unknown.output
+    finally:
+        removed = cli("replica", "remove", "extra", "--reason", "scaled in")
+    assert removed.exit_code == 0 and "extra" not in {r.name for r in read_pool(settings).replicas}
+    # A base model comes in as a version; with a stable one already, as a candidate for on-call.
+    imported = cli("policy", "import", str(starter_dir), "--reason", "new base model", "--json")
+    assert imported.exit_code == 0, imported.output
+    version = json.loads(imported.output)
+    assert version["state"] == "candidate" and version["content_hash"] == registry.get(version["version"]).content_hash
+    assert cli("policy", "import", str(settings.data_dir), "--reason", "oops").exit_code == 1
+
+
+def test_the_last_replica_serving_stable_is_never_removed(tmp_path):
+    from liverl.pool import Pool, Replica, write_pool
+    from liverl.settings import Settings
+
+    settings = Settings(data_dir=tmp_path)
+    write_pool(settings, Pool(replicas=[Replica(name="only", url="http://127.0.0.1:1", policy_version="v3",
+                                                model_dir=str(tmp_path))], aliases={"stable": "v3"}))
+    result = CliRunner().invoke(app, ["replica", "remove", "only", "--reason", "tidy", "--data-dir", str(tmp_path)])
+    assert result.exit_code == 1 and "last replica serving stable (v3)" in result.output
+    assert [r.name for r in read_pool(settings).replicas] == ["only"]

@@ -82,3 +82,11 @@ def test_no_secret_is_written_in_the_compose_file():
         for field in fields:
             assert f"LIVERL_{section.upper()}__{field.upper()}=" in example
     assert "liverl.env" in (ROOT / ".gitignore").read_text()
+
+
+def test_every_file_a_service_mounts_from_the_repository_exists():
+    mounts = [(name, volume.split(":")[0]) for name, service in COMPOSE["services"].items()
+              for volume in service.get("volumes", []) if volume.startswith("./")]
+    assert ("api", "./liverl.toml") in mounts  # the deployment's analysis reaches every liverl service
+    for name, source in mounts:
+        assert (ROOT / source).exists(), f"{name} mounts {source}, which is not in the repository"

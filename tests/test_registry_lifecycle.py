@@ -56,3 +56,25 @@ def test_a_move_without_a_reason_is_refused(registry, reason):
     with pytest.raises(IllegalTransition, match="a reason is required"):
         registry.transition(version, "canary", "key-oncall", reason)
     assert registry.get(version).state == "candidate"
+
+
+def test_a_team_alias_moves_with_its_history_and_never_takes_a_lifecycle_name(registry):
+    v0, v1 = registry.new("stable"), registry.new()
+    registry.move_alias("champion", v0, "key-a", "best so far")
+    registry.move_alias("champion", v1, "key-b", "won the bake-off")
+    registry.move_alias("challenger", v0, "key-b", "the one to beat")
+    assert registry.aliases() == {"champion": v1, "challenger": v0}
+    registry.move_alias("challenger", None, "key-b", "bake-off over")
+    assert registry.aliases() == {"champion": v1}
+    assert [(m.alias, m.version, m.actor, m.reason) for m in registry.alias_moves()][:2] == [
+        ("champion", v0, "key-a", "best so far"), ("champion", v1, "key-b", "won the bake-off")]
+    for name in ("stable", "canary"):
+        with pytest.raises(IllegalTransition, match="moves with the lifecycle"):
+            registry.move_alias(name, v1, "key-a", "shortcut")
+    with pytest.raises(KeyError, match="v404"):
+        registry.move_alias("champion", "v404", "key-a", "typo")
+    with pytest.raises(KeyError, match="no alias 'nobody'"):
+        registry.move_alias("nobody", None, "key-a", "tidy up")
+    with pytest.raises(IllegalTransition, match="reason"):
+        registry.move_alias("champion", v0, "key-a", " ")
+    assert registry.aliases() == {"champion": v1}

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
@@ -66,6 +67,27 @@ def test_demo_defaults_yield_to_the_environment(monkeypatch):
     monkeypatch.setenv("LIVERL_LEARNER__BATCH_SAMPLES", "4")  # fewer than min_samples (8)
     with pytest.raises(ValidationError, match="LIVERL_LEARNER__MIN_SAMPLES"):
         demo_settings()
+
+
+def test_the_deployment_file_sets_the_analysis_below_the_environment(monkeypatch, tmp_path):
+    import tomllib
+
+    analysis = Path(__file__).parents[1] / "liverl.toml"  # the one compose.yaml mounts
+    monkeypatch.setenv("LIVERL_CONFIG_FILE", str(analysis))
+    monkeypatch.setenv("LIVERL_PROMOTION__MARGIN", "0.02")
+    settings = Settings()
+    written = tomllib.loads(analysis.read_text())
+    assert settings.learner.gate_max_kl == written["learner"]["gate_max_kl"]
+    assert settings.promotion.tenant_worse == written["promotion"]["tenant_worse"] == "hold"
+    assert settings.promotion.margin == 0.02  # the variable wins over the file
+    assert "LIVERL_CONFIG_FILE" not in settings.environment()  # children get the values themselves
+    env = dict(os.environ, LIVERL_CONFIG_FILE=str(tmp_path / "typo.toml"))
+    (tmp_path / "typo.toml").write_text("[promotion]\nmragin = 0.1\n")
+    assert "LIVERL_PROMOTION__MRAGIN=0.1: Extra inputs are not permitted" in liverl("policy", "list", env=env,
+                                                                                tmp_path=tmp_path).stdout
+    env["LIVERL_CONFIG_FILE"] = str(tmp_path / "missing.toml")
+    refused = liverl("policy", "list", env=env, tmp_path=tmp_path)
+    assert refused.returncode == 1 and "missing.toml': no such file" in refused.stdout
 
 
 def test_secrets_stay_out_of_the_settings_file_and_reach_children(monkeypatch):

@@ -40,6 +40,7 @@ def test_a_canary_clearly_worse_for_one_tenant_never_reaches_stable(tmp_path, st
             judged(stable, "globex", 4000, 2000), judged(canary, "globex", 4000, 2300)]
     controller = Controller(settings)
     controller.figures = lambda versions, since, until: Figures(rows)
+    controller.serving_figures = lambda versions, since, until: {}  # no answers recorded: nothing to check
     overall = controller.compare(Figures(rows), stable, canary)
     assert all(c.decision == "non_inferior" for c in overall)  # fine on average
 
@@ -60,3 +61,21 @@ def test_a_canary_clearly_worse_for_one_tenant_never_reaches_stable(tmp_path, st
         assert registry.get(canary).state == "canary"
         held = [h for h in registry.history(canary) if h["to"] == "held"]  # asked once, naming the tenant
         assert len(held) == 1 and held[0]["from"] == "canary" and "accept_rate[acme] 0.200 vs 0.600" in held[0]["reason"]
+
+
+def served(version: str, requests: int, errors: int, p99_ms: float) -> dict:
+    return {"policy_version": version, "requests": requests, "errors": errors, "p50_ms": p99_ms / 3, "p99_ms": p99_ms}
+
+
+@pytest.mark.parametrize("canary_answers, worse", [
+    (served("v1", 1000, 2, 900), []),                                    # as good as stable
+    (served("v1", 1000, 80, 900), ["success_rate"]),                     # 8% server errors against 0.2%
+    (served("v1", 1000, 2, 2000), ["latency_p99_ms"]),                   # p99 more than 1.5x stable's
+    (served("v1", 100, 2, 2000), []),                                    # too few answers to compare p99s
+])
+def test_failing_or_slow_answers_make_a_canary_worse(tmp_path, canary_answers, worse):
+    controller = Controller(Settings(data_dir=tmp_path, promotion=PromotionConfig(latency_min_requests=200)))
+    checks = controller.serving_checks({"v0": served("v0", 1000, 2, 1000), "v1": canary_answers}, "v0", "v1")
+    assert [c.metric for c in checks] == ["success_rate", "latency_p99_ms"]
+    assert [c.metric for c in checks if c.decision == "worse"] == worse
+    assert controller.serving_checks({"v0": served("v0", 1000, 2, 1000)}, "v0", "v1") == []  # nothing served yet
