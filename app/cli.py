@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Optional
 
@@ -258,20 +258,16 @@ def policy_import(model_dir: Path, reason: str = ChangeReason, data_dir: Optiona
     """A Hugging Face model directory in as a policy version: the first one becomes stable
     (what replicas start from and `liverl replica add` checks them against); later ones
     are candidates, to promote by hand."""
-    from app.stack import import_version
-    from policies.registry import Registry
+    from policies.importer import import_version
 
     settings = settings_from(data_dir)
-    state = "candidate" if Registry(settings.policies_dir).stable() else "stable"
-    try:
-        version = import_version(settings, model_dir, "cli", state)
-    except ValueError as error:
-        fail(str(error))
-    operator_audit(settings, "policy.import", version.version, reason=reason, source=str(model_dir))
+    source = model_dir.resolve()
+    version = change(settings, "policy.import", "/admin/policies/import", {"reason": reason, "model_dir": str(source)},
+                     lambda: import_version(settings, source, "cli"))
     if as_json:
-        console.print_json(version.model_dump_json())
+        console.print_json(json.dumps(version))
     else:
-        console.print(f"{model_dir} is {version.version} ({version.state})")
+        console.print(f"{model_dir} is {version['version']} ({version['state']})")
 
 
 @policy_app.command("list")
@@ -393,11 +389,6 @@ def policy_unalias(alias: str, reason: str = ChangeReason, data_dir: Optional[Pa
     alias_command(alias, None, reason, data_dir, as_json)
 
 
-DIFF_SQL = """SELECT tenant, policy_version, toInt64(sum(samples)) AS n, sum(reward_sum) AS reward_sum,
-    toInt64(sum(accepted)) AS accepted, toInt64(sum(judged)) AS judged
-FROM version_hourly WHERE policy_version IN ('{a}', '{b}') GROUP BY tenant, policy_version ORDER BY tenant"""
-
-
 @policy_app.command("diff")
 def policy_diff(a: str, b: str, data_dir: Optional[Path] = DataDir, as_json: bool = Json,
                 kl_completions: int = typer.Option(64, min=0, help="Logged completions the KL between them "
@@ -405,49 +396,20 @@ def policy_diff(a: str, b: str, data_dir: Optional[Path] = DataDir, as_json: boo
     """Two versions side by side: live reward and accept rate per tenant with 95% intervals
     (ClickHouse), the offline gate's estimate and KL from stable, train/inference mismatch,
     the KL between them on logged production completions, and the delta size."""
-    from pydantic import TypeAdapter, ValidationError
+    from promotion.reports import ReportError, SinkError, diff
 
-    from liverl.contracts import VersionName
-    from policies.registry import Registry
-    from promotion.sequential import wilson
-    from sync.records import read_records, sync_store
-
-    settings = settings_from(data_dir)
-    registry = Registry(settings.policies_dir)
     try:
-        for name in (a, b):
-            TypeAdapter(VersionName).validate_python(name)  # it goes into SQL: only a version name
-        versions = [registry.get(a), registry.get(b)]
-    except (KeyError, ValidationError) as error:
-        fail(error.args[0] if isinstance(error, KeyError) else f"not a version name: {error.errors()[0]['input']!r}")
-    rows = json.loads(run_sql(settings, DIFF_SQL.format(a=a, b=b), "json"))["data"]
-    try:
-        records = read_records(sync_store(settings))
-    except Exception:  # a store that cannot be read leaves the size blank, not the diff
-        records = {}
-    figures: dict[str, dict] = {}
-    for v in versions:
-        gate = (v.metrics.get("gate") or {}).get("candidate") or {}
-        record = records.get(v.version)
-        figures[v.version] = {
-            "state": v.state, "parent": v.parent,
-            "offline_estimate": gate.get("value"), "offline_ess": gate.get("ess"),
-            "kl_from_stable_at_gate": (v.metrics.get("gate") or {}).get("kl_from_stable"),
-            "logprob_mismatch_mean": v.metrics.get("logprob_mismatch_mean"),
-            "delta_bytes_from_parent": record.delta.size if record and record.delta else None,
-            "tenants": {}}
-    for row in rows:
-        lo, hi = wilson(row["accepted"], row["judged"])
-        figures[row["policy_version"]]["tenants"][row["tenant"]] = {
-            "served": row["n"], "mean_reward": row["reward_sum"] / max(row["n"], 1),
-            "accept_rate": row["accepted"] / row["judged"] if row["judged"] else None, "accept_ci": [lo, hi]}
-    answer = {"a": a, "b": b, "versions": figures, "kl_on_logged": logged_kl(settings, *versions, kl_completions)}
+        answer = diff(settings_from(data_dir), a, b, kl_completions)
+    except (ReportError, SinkError, KeyError) as error:
+        fail(error.args[0])
+    figures = answer["versions"]
     if as_json:
         console.print_json(json.dumps(answer))
         return
     fields = ["state", "parent", "offline_estimate", "offline_ess", "kl_from_stable_at_gate", "logprob_mismatch_mean",
               "delta_bytes_from_parent"]
     print_rows([{"": f, a: figures[a][f], b: figures[b][f]} for f in fields], f"{a} against {b}")
+
     def accept_cell(live: dict | None) -> str:
         if not live or live["accept_rate"] is None:
             return "-"
@@ -461,38 +423,8 @@ def policy_diff(a: str, b: str, data_dir: Optional[Path] = DataDir, as_json: boo
                   + (f" ({kl['why']})" if kl.get("why") else ""))
 
 
-KL_SQL = """SELECT prompt_text, completion_text FROM trajectories
-WHERE policy_version IN ('{a}', '{b}') AND source != 'rollout' ORDER BY timestamp DESC LIMIT {n}"""
-
-
-def logged_kl(settings, a, b, n: int) -> dict:
-    """KL(a || b) on the newest `n` production completions either version served, as the
-    users' prompts and the policy's answers were logged (policies/divergence.py)."""
-    from transformers import AutoTokenizer
-
-    from policies.divergence import kl_between
-
-    missing = [v.version for v in (a, b) if not (Path(v.model_dir) / "config.json").exists()]
-    if missing or n == 0:
-        return {"value": None, "completions": 0,
-                "why": f"weights of {', '.join(missing)} no longer kept (retention)" if missing else "not asked"}
-    rows = json.loads(run_sql(settings, KL_SQL.format(a=a.version, b=b.version, n=n), "json"))["data"]
-    tokenizer = AutoTokenizer.from_pretrained(a.model_dir)
-    sequences = []
-    for row in rows:
-        prompt = tokenizer(row["prompt_text"])["input_ids"]
-        sequences.append((prompt + tokenizer(row["completion_text"], add_special_tokens=False)["input_ids"], len(prompt)))
-    value = kl_between(Path(a.model_dir), Path(b.model_dir), sequences)
-    return {"value": value, "completions": len(rows), "why": None if rows else "no logged completions yet"}
-
-
 def utc_text(t: float) -> str:
     return datetime.fromtimestamp(t, timezone.utc).isoformat(timespec="seconds")
-
-
-SERVED_SQL = """SELECT policy_version, replica, count() AS requests, min(timestamp) AS first, max(timestamp) AS last
-FROM requests WHERE tenant = '{tenant}' AND timestamp >= '{since}' AND timestamp <= '{until}'
-GROUP BY policy_version, replica ORDER BY first"""
 
 
 @policy_app.command("history")
@@ -504,46 +436,25 @@ def policy_history(version: Optional[str] = typer.Argument(None, help="One versi
     """Every state change and pin, oldest first: who, when, why. With --tenant and --at:
     which versions served that tenant around that time (ClickHouse's request log), and
     what was stable and canary then (the registry)."""
-    from pydantic import TypeAdapter, ValidationError
-
-    from liverl.contracts import TenantId
     from policies.registry import Registry
+    from promotion.reports import ReportError, SinkError, history, served_at
 
     settings = settings_from(data_dir)
-    registry = Registry(settings.policies_dir)
     if (tenant is None) != (at is None):
         fail("--tenant and --at go together")
     if tenant is not None:
         try:
-            TypeAdapter(TenantId).validate_python(tenant)  # it goes into SQL: only a well-formed name
-        except ValidationError:
-            fail(f"{tenant!r} is not a tenant name (letters, digits, '.', '_', '-')")
-        at = at.replace(tzinfo=timezone.utc) if at.tzinfo is None else at.astimezone(timezone.utc)
-        bounds = [(at + timedelta(seconds=s)).strftime("%Y-%m-%d %H:%M:%S") for s in (-window_s, window_s)]
-        served = json.loads(run_sql(settings, SERVED_SQL.format(tenant=tenant, since=bounds[0], until=bounds[1]),
-                                    "json"))["data"]
-        states: dict[str, str] = {}
-        for event in registry.history():
-            if event["at"] <= at.timestamp():
-                states[event["version"]] = event["to"]
-        answer = {"tenant": tenant, "at": at.isoformat(), "served": served,
-                  "stable": [v for v, s in states.items() if s == "stable"],
-                  "canary": [v for v, s in states.items() if s == "canary"]}
+            answer = served_at(settings, tenant, at, window_s)
+        except (ReportError, SinkError) as error:
+            fail(str(error))
         if as_json:
             console.print_json(json.dumps(answer))
         else:
             console.print(f"at {answer['at']}: stable {', '.join(answer['stable']) or '-'}, "
                           f"canary {', '.join(answer['canary']) or '-'}")
-            print_rows(served, f"what served {tenant} within {window_s:g} s of {answer['at']}")
+            print_rows(answer["served"], f"what served {tenant} within {window_s:g} s of {answer['at']}")
         return
-    rows = [dict(e, at=utc_text(e["at"])) for e in registry.history(version)]
-    if version is None:
-        rows += [dict(version=p.version, at=utc_text(p.at), **{"from": "", "to": "pinned" if p.pinned else "unpinned"},
-                      actor=p.actor, reason=p.reason) for p in registry.pins()]
-        rows += [dict(version=m.version, at=utc_text(m.at), **{"from": "", "to": f"alias {m.alias}"
-                      if m.version else f"alias {m.alias} removed"}, actor=m.actor, reason=m.reason)
-                 for m in registry.alias_moves()]
-        rows.sort(key=lambda r: r["at"])
+    rows = [dict(e, at=utc_text(e["at"])) for e in history(Registry(settings.policies_dir), version)]
     show(rows, f"history of {version or 'every version'}", as_json)
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -36,7 +35,8 @@ from liverl.manifest import (
 from liverl.pool import Pool, read_pool, write_pool
 from liverl.process import alive, spawn, stop_pid, wait_until, yield_cpu
 from liverl.settings import EmbeddedBroker, Settings
-from policies.registry import PolicyVersion, Registry, State
+from policies.importer import import_version
+from policies.registry import Registry
 from serving.replicas import (
     ReplicaError,
     launch_replica,
@@ -162,25 +162,8 @@ def starter_version(settings: Settings, progress: bool) -> tuple[str, Path]:
 
         source = build_starter_policy(settings.starter.cache_dir, seed=settings.starter.seed,
                                       progress=progress)
-    v0 = import_version(settings, Path(source), "liverl up", "stable")
+    v0 = import_version(settings, Path(source), "liverl up")
     return v0.version, Path(v0.model_dir)
-
-
-def import_version(settings: Settings, source: Path, actor: str, state: State) -> PolicyVersion:
-    """A Hugging Face model directory in as the next version, with the probe a swap
-    verifies it by (written here when the directory has none)."""
-    from liverl.probe import PROBE_FILE, probe_logprobs  # torch: only when importing
-
-    if not (source / "config.json").is_file():
-        raise ValueError(f"{source} is not a Hugging Face model directory (no config.json)")
-    registry = Registry(settings.policies_dir)
-    staged = settings.policies_dir / f"staging-import-{uuid.uuid4().hex[:8]}"
-    shutil.copytree(source, staged)
-    if not (staged / PROBE_FILE).exists():
-        from transformers import AutoTokenizer
-
-        (staged / PROBE_FILE).write_text(json.dumps(probe_logprobs(staged, AutoTokenizer.from_pretrained(staged))))
-    return registry.publish(staged, parent=None, window=None, metrics={}, sample_ids=[], actor=actor, state=state)
 
 
 def running(settings: Settings) -> bool:

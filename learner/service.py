@@ -215,6 +215,9 @@ class Learner:
             staged, parent=self.current.version, window=self.window(batch), metrics=metrics,
             sample_ids=[s.sample_id for s in batch], actor="learner",
         )
+        if (gate := metrics.get("gate")) and gate["reason"].startswith("moved too far from stable"):
+            # Every version trained on top would be further still: continue from what users get.
+            self.registry.request_rewind(self.registry.stable().version, "learner", f"{version.version} {gate['reason']}")
         # After the registry has it: a crash here re-reads the offsets from the registry.
         crash_point("learner.after_publish")
         self.commit(consumer)

@@ -29,11 +29,11 @@ import time
 from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 import httpx
 import uvicorn
-from fastapi import FastAPI, HTTPException
+from fastapi import FastAPI, HTTPException, Query
 from pydantic import BaseModel, Field, field_validator
 
 from liverl.audit import AuditLog
@@ -42,9 +42,11 @@ from liverl.keys import KeyRecord, KeyStore, admin_headers
 from liverl.observability import log, mount_metrics, setup_logging
 from liverl.pool import read_pool
 from liverl.settings import Settings, get_settings
+from policies.importer import import_version
 from policies.registry import REJECTED, AliasMove, Pin, PolicyVersion, Registry
 from promotion.dashboard import Operator, mount_dashboard
 from promotion.promoter import Promoter
+from promotion.reports import ReportError, SinkError, diff, history, served_at
 from promotion.sequential import Arm, Comparison, compare, confidence_sequence
 
 ACTOR = "controller"
@@ -401,6 +403,10 @@ class RollbackRequest(Reason):
     to: str | None = Field(None, description="The version to put back (default: the previous stable one).")
 
 
+class ImportRequest(Reason):
+    model_dir: Path = Field(description="A Hugging Face model directory on the controller's host.")
+
+
 class AliasRequest(Reason):
     version: VersionName | None = Field(description="The version the alias names; null removes the alias.")
 
@@ -500,6 +506,61 @@ def create_app(controller: Controller) -> FastAPI:
         """The previous stable (or `to`) back on every replica; returns once verified serving."""
         return act(key, "policy.rollback", body.to or "previous stable", body.reason,
                    lambda: promoter.rollback(key.key_id, body.reason, to=body.to))
+
+    def report(answer: Callable[[], T]) -> T:
+        try:
+            return answer()
+        except KeyError as error:
+            raise HTTPException(404, error.args[0]) from None
+        except ReportError as error:
+            raise HTTPException(422, str(error)) from None
+        except SinkError as error:
+            raise HTTPException(503, str(error)) from None
+
+    @app.get("/admin/history")
+    def full_history(key: Operator, version: VersionName | None = None) -> list[dict]:
+        """Every state change, oldest first (with every pin and alias move when no version is named)."""
+        return report(lambda: history(registry, version))
+
+    @app.get("/admin/served")
+    def served(key: Operator, tenant: str = Query(max_length=64), at: datetime = Query(description="When (UTC if naive)."),
+               window_s: float = Query(60.0, gt=0, le=86_400)) -> dict:
+        """Which versions answered `tenant` within `window_s` of `at`, and what was stable and canary then."""
+        return report(lambda: served_at(controller.settings, tenant, at, window_s))
+
+    @app.get("/admin/diff/{a}/{b}")
+    def compare_versions(a: str, b: str, key: Operator,
+                         kl_completions: int = Query(64, ge=0, le=1024)) -> dict:
+        """Two versions side by side (`liverl policy diff`)."""
+        return report(lambda: diff(controller.settings, a, b, kl_completions))
+
+    @app.post("/admin/policies/import")
+    def import_policy(body: ImportRequest, key: Operator) -> PolicyVersion:
+        """A model directory on this host in as a version: stable if it is the first, else a candidate."""
+        return act(key, "policy.import", str(body.model_dir), body.reason,
+                   lambda: import_version(controller.settings, body.model_dir, key.key_id))
+
+    @app.get("/admin/learner")
+    def learner_status(key: Operator) -> dict:
+        """The learner's /health: its version, backlog, pause, dropped samples."""
+        return learner_call("GET", "/health")
+
+    @app.post("/admin/learner/{verb}")
+    def learner_control(verb: Literal["pause", "resume"], body: Reason, key: Operator) -> dict:
+        """Pause or resume learning (pause answers once the step in flight is done)."""
+        answer = learner_call("POST", f"/{verb}", params={"reason": body.reason})
+        audit.record(key.key_id, f"learner.{verb}", "learner", body.reason, via="controller")
+        return answer
+
+    def learner_call(method: str, path: str, **kwargs) -> dict:
+        settings = controller.settings
+        try:
+            response = httpx.request(method, settings.url(settings.ports.learner) + path, timeout=620,
+                                     headers=admin_headers(settings), **kwargs)
+        except httpx.HTTPError as error:
+            raise HTTPException(503, f"the learner is not answering: {type(error).__name__}") from None
+        response.raise_for_status()
+        return response.json()
 
     @app.get("/admin/aliases")
     def aliases(key: Operator) -> dict[str, str]:

@@ -168,7 +168,8 @@ def dashboard_router(controller: Controller, audit: AuditLog) -> APIRouter:
                           "verdict": (v.metrics.get("canary") or {}).get("verdict")} for v in versions[-30:][::-1]],
             "serving": {"aliases": pool.aliases, "canary_share": settings.serving.canary_share,
                         "replicas": [{"name": r.name, "version": r.policy_version, "enabled": r.enabled,
-                                      "in_sync": r.policy_version in pool.aliases.values()} for r in pool.replicas]},
+                                      "alias": r.alias, "in_sync": r.policy_version in pool.aliases.values()}
+                                     for r in pool.replicas]},
             "learner": learner,
             "history": registry.history()[-30:][::-1],
             "audit": [e.model_dump(mode="json") for e in reversed(audit.entries(limit=30))],

@@ -215,3 +215,33 @@ def test_a_canary_worse_for_one_tenant_only_is_held_and_its_history_names_the_te
     assert aborted.status_code == 200 and aborted.json()["state"] == "aborted", aborted.text
     assert {r.policy_version for r in read_pool(settings).replicas} == {stable.version}
     wait_for(lambda: controller_idle(settings), timeout=60)
+
+
+def test_a_canary_as_good_as_stable_is_promoted_by_the_guard(settings, stack, dev_keys, paused_learner):
+    from test_operations import publish_copy
+
+    registry = Registry(settings.policies_dir)
+    restart_component(settings, "controller", {
+        "LIVERL_PROMOTION__CANARY_GUARD": "true", "LIVERL_PROMOTION__JUDGE_AFTER_S": "0",
+        "LIVERL_PROMOTION__MIN_SAMPLES": "30", "LIVERL_PROMOTION__POLL_S": "0.5"})
+    stop, served, threads = threading.Event(), {}, []
+    stable = registry.stable()
+    try:
+        candidate = publish_copy(settings, registry, "good")  # stable's weights: exactly as good
+        threads = [threading.Thread(target=users, args=(settings, dev_keys["tenant_key"], "\x00never", stop, served),
+                                    daemon=True) for _ in range(4)]
+        for t in threads:
+            t.start()
+        wait_for(lambda: registry.get(candidate.version).state not in ("candidate", "canary"), timeout=300, interval=1)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=60)
+        restart_component(settings, "controller", {})
+    record = registry.get(candidate.version)
+    assert record.state == "stable", (record.state, record.metrics.get("canary"))
+    verdict = record.metrics["canary"]
+    assert verdict["verdict"] == "non_inferior" and {c["decision"] for c in verdict["comparisons"]} == {"non_inferior"}
+    assert served.get(candidate.version)  # judged on what it served
+    assert {r.policy_version for r in read_pool(settings).replicas} == {candidate.version}
+    assert registry.get(stable.version).state == "superseded"

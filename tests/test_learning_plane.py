@@ -38,8 +38,8 @@ def synthetic_batch(n: int, version: str, routing: tuple[int, int] | None = None
     return batch
 
 
-def restart_learner(settings, fault: str | None = None) -> int:
-    return restart_component(settings, "learner", {"LIVERL_FAULT": fault} if fault else {})
+def restart_learner(settings, fault: str | None = None, env: dict[str, str] | None = None) -> int:
+    return restart_component(settings, "learner", dict({"LIVERL_FAULT": fault} if fault else {}, **(env or {})))
 
 
 def test_learner_killed_after_publish_loses_and_duplicates_nothing(settings, api):
@@ -180,3 +180,22 @@ def test_a_short_demo_run_raises_the_accept_rate(settings, dev_keys):
     finally:
         population.stop(threads)
     assert population.errors == 0
+
+
+def test_a_candidate_too_far_from_stable_sends_the_learner_back_to_stable(settings, api):
+    registry = Registry(settings.policies_dir)
+    restart_learner(settings, env={"LIVERL_LEARNER__GATE_MAX_KL": "1e-12"})  # any step is too far
+    try:
+        current = wait_for(lambda: learner_health(settings), timeout=60)["version"]
+        start = registry.latest().seq
+        api.post("/v1/ingestion", json={"batch": synthetic_batch(settings.learner.batch_samples, current)})
+        far = wait_for(lambda: next((v for v in registry.versions() if v.seq > start and (v.metrics.get("gate") or {})
+                                     .get("reason", "").startswith("moved too far from stable")), None), timeout=120)
+        assert far.metrics["gate"]["passed"] is False and far.metrics["gate"]["kl_from_stable"] > 1e-12
+        rewind = registry.last_rewind()
+        assert rewind.actor == "learner" and far.version in rewind.reason
+        # Back to what users were getting then (the controller may have promoted meanwhile).
+        assert rewind.version != far.version and "stable" in {e["to"] for e in registry.history(rewind.version)}
+        wait_for(lambda: learner_health(settings)["version"] == rewind.version, timeout=60)
+    finally:
+        restart_learner(settings)

@@ -250,3 +250,28 @@ def test_the_last_replica_serving_stable_is_never_removed(tmp_path):
     result = CliRunner().invoke(app, ["replica", "remove", "only", "--reason", "tidy", "--data-dir", str(tmp_path)])
     assert result.exit_code == 1 and "last replica serving stable (v3)" in result.output
     assert [r.name for r in read_pool(settings).replicas] == ["only"]
+
+
+def test_every_policy_and_learner_command_has_its_admin_endpoint(settings, controller, paused_learner):
+    stable = Registry(settings.policies_dir).stable().version
+
+    def cli_json(*args: str):
+        result = CliRunner().invoke(app, [*args, "--json", "--data-dir", str(settings.data_dir)])
+        assert result.exit_code == 0, result.output
+        return json.loads(result.output)
+
+    over_http = controller.get(f"/admin/diff/v0/{stable}", params={"kl_completions": 8}).json()
+    assert over_http == cli_json("policy", "diff", "v0", stable, "--kl-completions", "8")
+    assert controller.get("/admin/diff/v0/v99999").status_code == 404
+    assert [(h["version"], h["to"], h["reason"]) for h in controller.get("/admin/history").json()] == [
+        (h["version"], h["to"], h["reason"]) for h in cli_json("policy", "history")]
+    now = datetime.now(timezone.utc).replace(microsecond=0).isoformat()
+    served = controller.get("/admin/served", params={"tenant": "dev", "at": now}).json()
+    assert served["stable"] == [stable] and served == cli_json("policy", "history", "--tenant", "dev", "--at",
+                                                               now.split("+")[0])
+    assert controller.get("/admin/served", params={"tenant": "dev'--", "at": now}).status_code == 422
+    assert controller.get("/admin/learner").json()["paused"] is True
+    for verb, paused in (("resume", False), ("pause", True)):
+        answer = controller.post(f"/admin/learner/{verb}", json={"reason": f"{verb} through the controller"})
+        assert answer.status_code == 200 and answer.json()["paused"] is paused
+    assert controller.post("/admin/learner/pause", json={}).status_code == 422  # a reason, always

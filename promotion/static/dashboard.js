@@ -50,7 +50,8 @@ function render(state) {
   const pinned = c.pinned ? ` · stable pinned by ${c.pinned.actor}: ${c.pinned.reason}` : "";
   $("#aliases").textContent = (aliases || "no aliases") + canary + pinned;
   fill("#replicas", state.serving.replicas.map((r) =>
-    row([r.name, r.version, r.enabled ? "yes" : "no (swapping)", r.in_sync ? "yes" : "no"])));
+    row([r.name, r.version, !r.enabled ? "no (swapping)" : r.alias ? `only alias ${r.alias}` : "yes",
+         r.in_sync ? "yes" : "no"])));
   const learner = state.learner;
   const learnerRows = learner.error ? [["status", learner.error]] : [
     ["version", learner.version], ["versions ahead of stable", learner.versions_ahead_of_stable],
