@@ -568,8 +568,9 @@ def learner_call(data_dir: Optional[Path], verb: str, reason: str) -> None:
 
     settings = settings_from(data_dir)
     try:
+        # A pause answers once the step in flight is done: allow for a long one.
         response = httpx.post(settings.url(settings.ports.learner) + f"/{verb}", params={"reason": reason},
-                              headers=admin_headers(settings), timeout=10)
+                              headers=admin_headers(settings), timeout=620)
     except httpx.ConnectError:
         fail("the learner is not reachable; is the stack up (`liverl status`)?")
     if response.is_error:
@@ -582,7 +583,8 @@ Reason = typer.Option(..., "--reason", help="Why (recorded in the audit log).")
 
 @learner_app.command("pause")
 def learner_pause(reason: str = Reason, data_dir: Optional[Path] = DataDir) -> None:
-    """Stop consuming and writing versions (serving is untouched)."""
+    """Stop consuming and writing versions (serving is untouched); returns once the step in
+    flight is done, so no version is written after it."""
     learner_call(data_dir, "pause", reason)
 
 
