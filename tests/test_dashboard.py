@@ -98,3 +98,7 @@ def test_on_call_logs_in_reads_live_plots_and_rolls_back_from_the_page(
     wait.until(seen.text_to_be_present_in_element((By.ID, "history"), "dashboard test: users complain"))
     SCREENSHOT.parent.mkdir(exist_ok=True)
     browser.save_screenshot(str(SCREENSHOT))
+    browser.find_element(By.CSS_SELECTOR, "form[action='/dashboard/logout'] button").click()
+    wait.until(seen.presence_of_element_located((By.ID, "key")))  # back at the login
+    browser.get(controller + "/dashboard")
+    assert browser.find_elements(By.ID, "key") and not browser.find_elements(By.ID, "versions")
