@@ -272,9 +272,14 @@ FROM requests FINAL WHERE policy_version IN ({versions}) AND timestamp >= {since
 GROUP BY policy_version ORDER BY policy_version"""
 
 
+def window(request: FiguresRequest) -> dict[str, str]:
+    """The request's versions and period as SQL literals."""
+    return {"versions": ", ".join(quote(v) for v in request.versions),
+            "since": timestamp_literal(request.since), "until": timestamp_literal(request.until)}
+
+
 def figures_sql(request: FiguresRequest) -> str:
-    return FIGURES_SQL.format(versions=", ".join(quote(v) for v in request.versions),
-                              since=timestamp_literal(request.since), until=timestamp_literal(request.until),
+    return FIGURES_SQL.format(**window(request),
                               production="AND source != 'rollout'" if request.production_only else "",
                               bucket=f"toUnixTimestamp(toStartOfInterval(toDateTime(served), INTERVAL {request.bucket_s} SECOND)) AS bucket,"
                               if request.bucket_s else "", by_bucket=", bucket" if request.bucket_s else "")
@@ -324,9 +329,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def serving_figures(body: FiguresRequest, key: KeyRecord = Depends(require_admin)) -> list[ServingFigures]:
         """Per version, its answers' error rate and latency: the controller's serving checks
         (admin key; every tenant together, as a quantile does not add up)."""
-        sql = SERVING_SQL.format(versions=", ".join(quote(v) for v in body.versions),
-                                 since=timestamp_literal(body.since), until=timestamp_literal(body.until))
-        rows = await asyncio.to_thread(query_json, app.state.warehouse, sql)
+        rows = await asyncio.to_thread(query_json, app.state.warehouse, SERVING_SQL.format(**window(body)))
         return [ServingFigures(**row) for row in rows]
 
     @app.post("/sql", response_class=PlainTextResponse)

@@ -30,7 +30,7 @@ from fastapi.templating import Jinja2Templates
 from itsdangerous import BadSignature, URLSafeTimedSerializer
 
 from liverl.audit import AuditLog
-from liverl.keys import KeyRecord, KeyStore
+from liverl.keys import KeyRecord, KeyStore, require_admin, require_key
 from liverl.pool import read_pool
 from liverl.settings import Settings
 from promotion.sequential import wilson
@@ -82,20 +82,12 @@ class Sessions:
         return (record, session["csrf"]) if record and record.role == "admin" else None
 
 
-def operator(request: Request, authorization: Annotated[str | None, Header()] = None,
-             csrf: Annotated[str | None, Header(alias=CSRF_HEADER)] = None) -> KeyRecord:
+async def operator(request: Request, authorization: Annotated[str | None, Header()] = None,
+                   csrf: Annotated[str | None, Header(alias=CSRF_HEADER)] = None) -> KeyRecord:
     """An admin: by key (`Authorization: Bearer`, as scripts and the CLI call), or by the
     dashboard's session cookie, whose changes must also carry its CSRF token."""
-    keys: KeyStore = request.app.state.keys
-    if authorization is not None:
-        if not authorization.lower().startswith("bearer "):
-            raise HTTPException(401, "missing API key: send 'Authorization: Bearer <key>'")
-        record = keys.authenticate(authorization[7:].strip())
-        if record is None:
-            raise HTTPException(401, "invalid or revoked API key")
-        if record.role != "admin":
-            raise HTTPException(403, "this endpoint needs an admin key")
-        return record
+    if authorization is not None:  # the same checks as every other admin door
+        return await require_admin(await require_key(authorization, request.app.state.keys))
     session = request.app.state.sessions.read(request.cookies.get(SESSION_COOKIE))
     if session is None:
         raise HTTPException(401, "missing API key: send 'Authorization: Bearer <key>', or log in at /dashboard")
@@ -138,11 +130,11 @@ def dashboard_router(controller: Controller, audit: AuditLog) -> APIRouter:
         return page
 
     @router.get("", response_class=HTMLResponse, include_in_schema=False)
-    def page(request: Request) -> Response:
+    async def page(request: Request) -> Response:
         session = request.app.state.sessions.read(request.cookies.get(SESSION_COOKIE))
         if session is None:
             if request.headers.get("authorization"):
-                operator(request, request.headers["authorization"])  # a key: 401/403 say why
+                await operator(request, request.headers["authorization"])  # a key: 401/403 say why
             return RedirectResponse("/dashboard/login", status_code=303)
         record, token = session
         return templates.TemplateResponse(request, "dashboard.html", {"csrf": token, "key_id": record.key_id,
