@@ -171,6 +171,8 @@ def policy_gradient_loss(
       (the version's parent, which the learner holds), r = pi/pi_prox; the off-policy
       correction for the behaviour version mu, w = pi_prox/mu made safe, is a constant.
       loss = - sum_t w_t * surrogate_t / #tokens, the surrogate per objective above.
+      With pi_prox = mu (the learner's `proximal = behaviour`) this is classic PPO: w = 1
+      and the region is around the policy that served each sample.
 
     Every objective normalises by the batch's token count (DAPO's token-level loss), plus
     kl_coef * KL(pi || ref) per token if asked. `normalizer` replaces #tokens when the

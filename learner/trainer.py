@@ -156,8 +156,9 @@ class Trainer:
         abs_diff: list[torch.Tensor] = []
         mismatched, replayed_mismatched, routed = 0.0, 0.0, 0
         rng = random.Random(seed)
-        # The parent: the KL reference, and the proximal policy of the trust region.
-        parent = self.snapshot() if self.config.kl_coef > 0 or self.config.objective != "reinforce" else None
+        # The parent: the KL reference, and the proximal policy of a trust region around it.
+        around_parent = self.config.objective != "reinforce" and self.config.proximal == "parent"
+        parent = self.snapshot() if self.config.kl_coef > 0 or around_parent else None
         failed: dict[int, str] = {}  # sample index -> why it could not be trained on
         # The first minibatch's samples, to see how far the version moves from its parent.
         watched, parent_watch = self.watch(samples[: self.config.minibatch])
@@ -175,7 +176,8 @@ class Trainer:
                 logp = token_logprobs(self.model, batch)  # last: the routing stats read this pass
             loss, step_stats = policy_gradient_loss(
                 logp, batch.behaviour_logp, advantages[idx] * share, batch.completion_mask,
-                objective=self.config.objective, proximal_logp=parent_logp,
+                objective=self.config.objective,
+                proximal_logp=parent_logp if around_parent else batch.behaviour_logp,
                 clip_low=self.config.clip_low, clip_high=self.config.clip_high,
                 is_mode=self.config.is_mode, is_threshold=self.config.is_threshold,
                 reference_logp=parent_logp, kl_coef=self.config.kl_coef, normalizer=normalizer,

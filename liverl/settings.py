@@ -269,6 +269,10 @@ class LearnerConfig(Config):
         "reinforce", description="Policy-gradient objective (`learner/rl.py`): off-policy REINFORCE, or a "
         "trust region around the version's parent: PPO-clip, GSPO (sequence ratio), CISPO (clipped weight).",
     )
+    proximal: Literal["parent", "behaviour"] = Field(
+        "parent", description="Centre of the trust region: the version's parent (decoupled PPO), or the "
+        "version that served each sample (classic PPO: the policy cannot move far from what users get).",
+    )
     clip_low: float = Field(0.2, gt=0.0, lt=1.0, description="Trust region: ratios below 1 - clip_low are clipped.")
     clip_high: float = Field(0.28, gt=0.0, description="Trust region: ratios above 1 + clip_high are clipped "
                              "(DAPO's clip-higher; GSPO's sequence ratios want about 4e-4).")

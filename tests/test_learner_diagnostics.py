@@ -32,3 +32,17 @@ def test_trust_region_objectives_train_on_the_policy(starter_dir: Path, objectiv
     metrics = Trainer(starter_dir, LearnerConfig(minibatch=2, lr=1e-3, epochs=2, objective=objective)).train(samples)
     assert 0 <= metrics["clipped_fraction"] <= 1 and metrics["untrainable"] == {}
     assert metrics["kl_from_parent"] > 0 and metrics["mean_is_weight"] > 0
+
+
+def test_a_trust_region_around_what_served_moves_less_than_reinforce_on_the_same_steps(starter_dir: Path):
+    """Classic PPO (`proximal = behaviour`): the ratio is pi over the served policy, so the
+    importance weight is 1 and, many epochs on the same samples at a large step, the
+    learner runs into the clip instead of walking away from what users were served as
+    REINFORCE does on the same steps."""
+    samples = sampled(starter_dir, count=6)
+    config = LearnerConfig(minibatch=6, lr=1e-3, epochs=12)
+    free = Trainer(starter_dir, config).train(samples)
+    bounded = Trainer(starter_dir, config.model_copy(update={"objective": "ppo", "proximal": "behaviour"})).train(samples)
+    assert bounded["mean_is_weight"] == pytest.approx(1.0) and bounded["untrainable"] == {}
+    assert bounded["clipped_fraction"] > 0.1
+    assert bounded["kl_from_parent"] < 0.75 * free["kl_from_parent"]  # 0.83 against 1.77 here
