@@ -1,0 +1,1 @@
+"""Off-peak rollouts: environments, the sandbox, rollout workers."""
