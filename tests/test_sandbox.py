@@ -58,7 +58,8 @@ def plain_run(solution: str, tests: str) -> int:
      "    with open('scratch.txt', 'w') as f:\n        f.write(str(a + b))\n"
      "    return int(open('scratch.txt').read()) + math.floor(decimal.Decimal(0))\n", 3),
 ], ids=["correct", "wrong", "raises", "uses-stdlib-and-its-directory"])
-def test_honest_code_scores_what_a_plain_run_of_the_tests_scores(solution, expected_passed):
+def test_honest_code_scores_what_a_plain_run_of_the_tests_scores(solution, expected_passed, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the plain run writes its scratch file here
     verdict = run_tests(solution, cases_from_asserts(ADD_TESTS))
     assert verdict.passed == plain_run(solution, ADD_TESTS) == expected_passed
     assert verdict.total == 3
