@@ -27,6 +27,7 @@ import math
 import threading
 from collections.abc import Iterator
 
+import numba
 import numpy as np
 import torch
 import zstandard
@@ -186,9 +187,9 @@ def _decompressor() -> zstandard.ZstdDecompressor:
 MAX_CLASSES = 4
 PLAN_SAMPLE = 1 << 16
 PLAN_BLOCKS = 64
-# Values per step of the coder: its temporaries stay in cache and in the memory glibc
-# keeps, and its ~40 numpy calls are few per value (decode of 2M-value bf16 tensors at lr
-# 1e-5: 430 MB/CPU-s at 128k, 450 at 256k, 470 at 512k, 420 at 1M).
+# Values per step of the coder: a chunk is hashed while it is in cache, and the kernels'
+# lists (up to 40 bytes a value when encoding) stay below the 32 MB that glibc serves from
+# the memory it keeps (`keep_freed_memory`).
 CONTEXT_CHUNK_VALUES = 1 << 19
 # The last class holds at least this share of the values, so that the classes the
 # decoder lists are small.
@@ -246,27 +247,27 @@ class ContextEncoder:
 
     def __init__(self, dtype: str, bounds: list[int], dense: list[bool]):
         self.thresholds = _thresholds(dtype, bounds)
-        self.dense = dense
-        self.seen = np.zeros(len(dense), np.int64)  # addresses of each class in earlier chunks
+        self.dense = np.array(dense, np.bool_)
+        self.ranks = np.zeros(len(dense), np.int64)  # members of each class in earlier chunks
+        self.start = 0  # position of the next chunk in the tensor
         self.addresses: list[list[np.ndarray]] = [[] for _ in dense]
         self.codes: list[list[np.ndarray]] = [[] for _ in dense]
+        self.scratch: tuple[np.ndarray, np.ndarray] | None = None
 
     def add(self, old: np.ndarray, new: np.ndarray) -> int:
         """Code one chunk; returns its number of changed values."""
-        changed = np.flatnonzero(old != new)
-        difference = new - old  # one pass, then one gather per class instead of two
-        members = _Members(old, self.thresholds)
-        kind = members.kind(changed)
-        for c, dense in enumerate(self.dense):
-            if dense:
-                where = members.of(c)
-                self.codes[c].append(_zigzag(np.take(difference, where)))
-            else:
-                where = changed if len(self.dense) == 1 else np.compress(kind == c, changed)
-                self.addresses[c].append(self.seen[c] + members.address(c, where))
-                self.codes[c].append(_zigzag(np.take(difference, where)) - 1)
-            self.seen[c] += members.span(c, dense)
-        return len(changed)
+        unsigned = np.dtype(old.dtype.str.replace("i", "u"))
+        if self.scratch is None or len(self.scratch[0]) < MAX_CLASSES * len(old) or self.scratch[0].dtype != unsigned:
+            self.scratch = np.empty(MAX_CLASSES * len(old), unsigned), np.empty(MAX_CLASSES * len(old), np.int64)
+        codes, addresses, counts, changed = _split_chunk(old, new, self.start, self.thresholds, self.dense,
+                                                         np.iinfo(old.dtype).max, self.ranks, *self.scratch)
+        self.start += len(old)
+        code_ends, address_ends = np.cumsum(counts), np.cumsum(np.where(self.dense, 0, counts))
+        for c in range(len(self.dense)):
+            self.codes[c].append(codes[code_ends[c] - counts[c]:code_ends[c]])
+            if not self.dense[c]:
+                self.addresses[c].append(addresses[address_ends[c] - counts[c]:address_ends[c]])
+        return changed
 
     def finish(self) -> list[bytes]:
         streams = []
@@ -284,109 +285,223 @@ def decode_context(dtype: str, bounds: list[int], dense: list[bool], streams: li
     if len(streams) != _STREAMS_PER_CLASS * len(dense) or len(bounds) + 1 != len(dense):
         raise ValueError("context streams do not match the classes")
     thresholds = _thresholds(dtype, bounds)
-    addresses, codes = [], []
+    unsigned = np.dtype(out.dtype.str.replace("i", "u"))
+    # The kernel reads each class's streams as they are, end to end (gap bytes and pairs
+    # of codes in `data`, escapes in `escapes`), with its cursors in `cursors`.
+    gaps = [np.frombuffer(_unpack(streams[_STREAMS_PER_CLASS * c]), np.uint8) for c in range(len(dense))]
+    pairs = [np.frombuffer(_unpack(streams[_STREAMS_PER_CLASS * c + 1]), np.uint8) for c in range(len(dense))]
+    escapes = [_unpack(streams[_STREAMS_PER_CLASS * c + 2]) for c in range(len(dense))]
+    if any(len(e) % unsigned.itemsize for e in escapes):
+        raise ValueError("escaped differences do not match their stream")
+    data = np.concatenate([*gaps, *pairs])
+    escaped = np.frombuffer(b"".join(escapes) + bytes(unsigned.itemsize), unsigned)  # a spare 0
+    cursors = np.zeros((len(dense), _CURSORS), np.int64)
+    for column, end_column, lengths, before in [(_GAP, _GAP_END, [len(g) for g in gaps], 0),
+                                                (_NIBBLE, _NIBBLE_END, [2 * len(p) for p in pairs], 2 * len(data) - 2 * sum(map(len, pairs))),
+                                                (_ESCAPE, _ESCAPE_END, [len(e) // unsigned.itemsize for e in escapes], 0)]:
+        cursors[:, end_column] = before + np.cumsum(lengths)
+        cursors[:, column] = cursors[:, end_column] - lengths
     for c, is_dense in enumerate(dense):
-        gaps, pairs, escapes = streams[_STREAMS_PER_CLASS * c:_STREAMS_PER_CLASS * (c + 1)]
-        addresses.append(None if is_dense else _positions(np.frombuffer(_unpack(gaps), np.uint8)))
-        count = None if is_dense else len(addresses[-1])
-        codes.append(_differences(pairs, escapes, out.dtype, count, 0 if is_dense else 1))
-    seen = np.zeros(len(dense), np.int64)  # addresses of each class in earlier chunks
-    used = np.zeros(len(dense), np.int64)  # codes of each class consumed
+        address, after = (_NO_ADDRESS, 0) if is_dense else _first_address(gaps[c])
+        cursors[c, _ADDRESS] = address
+        cursors[c, _GAP] += after
+    dense_flags, top = np.array(dense, np.bool_), np.iinfo(out.dtype).max
+    members = np.empty((MAX_CLASSES + 1) * min(chunk_values, len(out)), np.int32)
     for start in range(0, len(out), chunk_values):
         part = slice(start, start + chunk_values)
-        base, target = old[part], out[part]
-        target[:] = base
-        members = _Members(base, thresholds)
-        for c in range(len(dense)):
-            span = members.span(c, dense[c])
-            if dense[c]:
-                where = members.of(c)
-            else:
-                end = used[c] + int(np.searchsorted(addresses[c][used[c]:], seen[c] + span))
-                where = members.select(c, addresses[c][used[c]:end] - seen[c])
-            values = codes[c][used[c]:used[c] + len(where)]
-            if len(values) != len(where):
-                raise ValueError("context streams end before the tensor")
-            np.add.at(target, where, values)  # target holds the base; add.at beats an indexed assignment
-            used[c] += len(where)
-            seen[c] += span
+        error = _apply_chunk(old[part], out[part], start, thresholds, dense_flags, top, members, data, escaped,
+                             cursors)
+        if error:
+            raise ValueError(_APPLY_ERRORS[error])
         yield part
-    # A dense class's last byte of codes may hold one padding code of 0.
-    if any(len(v) - u not in ((0, 1) if d else (0,)) or (len(v) > u and v[-1]) for u, v, d in zip(used, codes, dense)):
+    # Every stream read to its end; a class's codes may end in one padding code of 0.
+    c = cursors
+    padding = c[:, _NIBBLE_END] - c[:, _NIBBLE]
+    if (c[:, _ESCAPE] != c[:, _ESCAPE_END]).any():
+        raise ValueError("escaped differences do not match their stream")
+    if ((c[:, _GAP] != c[:, _GAP_END]) | (c[:, _ADDRESS] != _NO_ADDRESS) | (padding > 1)).any() or (
+            data[c[padding == 1, _NIBBLE] // 2] >> 4).any():
         raise ValueError("context streams are longer than the tensor")
 
 
-class _Members:
-    """Which values of one chunk belong to which class, from the base. The classes below
-    the last are listed in one pass over the chunk (`small`: their sorted positions;
-    `listed`: those of each class; `small_kind`: the class of each small value). The last,
-    the largest magnitudes and most of the values, is listed only when a dense last class
-    asks for it."""
-
-    def __init__(self, base: np.ndarray, thresholds: np.ndarray):
-        self.size = len(base)
-        # Compared in the values' own type: a wider scalar would widen every comparison.
-        self.thresholds = thresholds.astype(base.dtype)
-        self.listed: list[np.ndarray] = []
-        self.large: np.ndarray | None = None
-        self.magnitude = _magnitude(base)
-        if len(thresholds):
-            self.is_small = self.magnitude < self.thresholds[-1]
-            self.small = np.flatnonzero(self.is_small)
-            self.small_kind = self.kind(self.small, small=True)
-            self.listed = [self.small] if len(thresholds) == 1 else [
-                np.compress(self.small_kind == c, self.small) for c in range(len(thresholds))]  # faster than a boolean index
-        else:
-            self.small = np.zeros(0, np.int64)
-
-    def kind(self, positions: np.ndarray, small: bool = False) -> np.ndarray:
-        """The class of the values at `positions` (`small`: all below the last class)."""
-        return _kind(np.take(self.magnitude, positions), self.thresholds[:-1] if small else self.thresholds)
-
-    def count(self, c: int) -> int:
-        return len(self.listed[c]) if c < len(self.listed) else self.size - len(self.small)
-
-    def span(self, c: int, dense: bool) -> int:
-        """How many addresses class `c` has in this chunk: one per member (`address`),
-        but one per value for the sparse last class."""
-        return self.size if c == len(self.thresholds) and not dense else self.count(c)
-
-    def of(self, c: int) -> np.ndarray:
-        """Positions of class `c`'s members."""
-        if c < len(self.listed):
-            return self.listed[c]
-        if not len(self.thresholds):
-            return np.arange(self.size)
-        if self.large is None:  # inverted in place: only the last class reads it, and once
-            self.large = np.flatnonzero(np.logical_not(self.is_small, out=self.is_small))
-        return self.large
-
-    def address(self, c: int, positions: np.ndarray) -> np.ndarray:
-        """The addresses in a sparse class's stream of some of class `c`'s members
-        (sorted positions): their ranks among the class's members, by bit counts (a
-        binary search per position is slower); in the last class, their positions."""
-        if c == len(self.thresholds):
-            return positions
-        among_small = _ranks(self.is_small, positions)
-        return among_small if len(self.listed) == 1 else _ranks(self.small_kind == c, among_small)
-
-    def select(self, c: int, addresses: np.ndarray) -> np.ndarray:
-        """Positions of the members of class `c` with the (sorted) `addresses`."""
-        return addresses if c == len(self.thresholds) else np.take(self.listed[c], addresses)
+# The per-value loops of format 2, compiled (numba). Most values are in the last class,
+# and one lean pass over the chunk does all they need: their changes, addressed by
+# position, and a list of the others; the small classes are split from that list, a fifth
+# of the values. No branch on the values (which class, changed or not: coin flips to the
+# processor at lr 1e-5), and each class's counters in registers (chosen by selects), not
+# in an array indexed by class, which chains every value to the previous one's store
+# (twice the time). nogil: the encoder's threads run side by side. cache: compiled once
+# per machine and element width (on 2 busy cores: 5 s for the encoder, 0.7 s for the
+# decoder; 0.25 s and 0.01 s from the cache), not at each process's first delta.
+_JIT = {"nogil": True, "cache": True}
 
 
-def _ranks(mask: np.ndarray, positions: np.ndarray) -> np.ndarray:
-    """How many of `mask`'s values are set before each of `positions`: a prefix count of
-    set bits per 64 values, plus the set bits below the position in its 64 (a few
-    operations per position, where a binary search would take dozens)."""
-    packed = np.packbits(mask, bitorder="little")
-    words = np.zeros(-(-len(packed) // 8), "<u8")  # whole words (np.pad costs more than the rest)
-    words.view(np.uint8)[:len(packed)] = packed
-    counts = np.bitwise_count(words)
-    before = np.cumsum(counts, dtype=np.int64) - counts
-    word = positions >> 6
-    below = np.take(words, word) & ((np.uint64(1) << (positions & 63).astype(np.uint64)) - np.uint64(1))
-    return np.take(before, word) + np.bitwise_count(below)
+@numba.njit(**_JIT)
+def _split_chunk(old, new, start, thresholds, dense, top, ranks, code_room, address_room):  # pragma: no cover
+    """(codes, addresses, entries per class, changed values) of one chunk of the change
+    `new - old`: the codes of each class end to end, in order of position (for a dense
+    class every member's zig-zagged difference, for a sparse one each change's, less
+    one), and the addresses of the sparse classes' changes likewise (a change's rank
+    among its class's members, `ranks` carried over from earlier chunks; in the last
+    class its position, the chunk starting at `start`). `code_room`, `address_room`:
+    room for `MAX_CLASSES` times the chunk's values, codes of the unsigned type of
+    their width."""
+    n, classes = len(old), len(dense)
+    last, shift = classes - 1, 64 - 8 * old.itemsize
+    low, middle, high = thresholds
+    split = thresholds[last - 1] if last else -1  # where the last class starts
+    dense_last = dense[last]
+    small = np.empty(n, np.int32)
+    count_small = count_last = changed = 0
+    for i in range(n):
+        base = np.int64(old[i])
+        difference = ((np.int64(new[i]) - base) << shift) >> shift  # wrapped to the width
+        is_small, is_changed = (base & top) < split, difference != 0
+        small[count_small] = i
+        count_small += is_small
+        at = last * n + count_last
+        code_room[at] = ((difference << 1) ^ (difference >> 63)) - (not dense_last)
+        address_room[at] = start + i
+        count_last += (not is_small) & (is_changed | dense_last)
+        changed += is_changed
+    all_dense = np.zeros(MAX_CLASSES, np.bool_)
+    all_dense[:classes] = dense
+    rank0, rank1, rank2 = np.concatenate((ranks, np.zeros(MAX_CLASSES - classes, np.int64)))[:3]
+    kept0 = kept1 = kept2 = 0
+    for s in range(count_small):
+        i = small[s]
+        base = np.int64(old[i])
+        difference = ((np.int64(new[i]) - base) << shift) >> shift
+        magnitude = base & top
+        c = (magnitude >= low) + (magnitude >= middle) + (magnitude >= high)
+        is_dense = all_dense[c]
+        at = c * n + (kept0 if c == 0 else kept1 if c == 1 else kept2)
+        code_room[at] = ((difference << 1) ^ (difference >> 63)) - (not is_dense)
+        address_room[at] = rank0 if c == 0 else rank1 if c == 1 else rank2
+        keep = is_dense | (difference != 0)
+        kept0 += (c == 0) & keep
+        kept1 += (c == 1) & keep
+        kept2 += (c == 2) & keep
+        rank0 += c == 0
+        rank1 += c == 1
+        rank2 += c == 2
+    ranks[:last] = np.array([rank0, rank1, rank2])[:last]
+    counts = np.append(np.array([kept0, kept1, kept2])[:last], count_last)
+    codes = np.empty(counts.sum(), code_room.dtype)
+    addresses = np.empty(counts[~dense].sum(), np.int64)
+    code_at = address_at = 0
+    for c in range(classes):
+        codes[code_at:code_at + counts[c]] = code_room[c * n:c * n + counts[c]]
+        code_at += counts[c]
+        if not dense[c]:
+            addresses[address_at:address_at + counts[c]] = address_room[c * n:c * n + counts[c]]
+            address_at += counts[c]
+    return codes, addresses, counts, changed
+
+
+# Columns of a class's cursors in the decoder: its gap bytes (the next, the end), the
+# address of its next change (`_NO_ADDRESS`: none left), its difference codes (the next
+# nibble, the end), its escapes (the next, the end) and its members in earlier chunks.
+_GAP, _GAP_END, _ADDRESS, _NIBBLE, _NIBBLE_END, _ESCAPE, _ESCAPE_END, _RANK = range(8)
+_CURSORS = 8
+_NO_ADDRESS = np.iinfo(np.int64).max
+_APPLY_ERRORS = {1: "context streams end before the tensor", 2: "escaped differences do not match their stream",
+                 3: "context streams end inside a gap"}
+
+
+@numba.njit(**_JIT)
+def _apply_chunk(base, out, start, thresholds, dense, top, members, data, escaped, cursors):  # pragma: no cover
+    """Write one chunk of `base` + the change into `out`; 0, or the key of the error in
+    `_APPLY_ERRORS`. One pass copies the base and lists the values below the last class
+    (and those of the last, if dense); those are split into their classes (into
+    `members`, room for `MAX_CLASSES + 1` times the chunk's values); then each class's
+    changes are added at its members with those ranks. The last class, if sparse, is not
+    listed: its changes' addresses are positions. `cursors` carry over to the next
+    chunk; within a class's loop they are locals, in registers."""
+    n, classes = len(base), len(dense)
+    last = classes - 1
+    low, middle, high = thresholds
+    split = thresholds[last - 1] if last else -1  # where the last class starts
+    small, large = members[MAX_CLASSES * n:], members[last * n:]
+    count_small = count_large = 0
+    if dense[last]:
+        for i in range(n):
+            value = base[i]
+            out[i] = value
+            is_small = (np.int64(value) & top) < split
+            small[count_small] = i
+            large[count_large] = i
+            count_small += is_small
+            count_large += not is_small
+    else:
+        for i in range(n):
+            value = base[i]
+            out[i] = value
+            small[count_small] = i
+            count_small += (np.int64(value) & top) < split
+    count0 = count1 = count2 = 0
+    for s in range(count_small):
+        i = small[s]
+        magnitude = np.int64(base[i]) & top
+        c = (magnitude >= low) + (magnitude >= middle) + (magnitude >= high)
+        members[c * n + (count0 if c == 0 else count1 if c == 1 else count2)] = i
+        count0 += c == 0
+        count1 += c == 1
+        count2 += c == 2
+    counts = np.append(np.array([count0, count1, count2])[:last], count_large)
+    mask = np.int64(-1) if base.itemsize == 8 else np.int64((1 << 8 * base.itemsize) - 1)
+    # The codes and gaps are read inline, not by helper functions: numba compiled those
+    # (with their branches) into calls many times slower than the loop itself.
+    for c in range(classes):
+        count, first, is_dense = counts[c], c * n, dense[c]
+        g, g_end, address, k, k_end, x, x_end, rank = cursors[c]
+        offset = np.int64(not is_dense)  # a sparse class codes its (nonzero) differences less one
+        end = start + n if c == last else rank + count  # addresses below fall in this chunk
+        m = 0
+        while m < count if is_dense else address < end:
+            if is_dense:
+                p = members[first + m]
+                m += 1
+            else:  # a rank among the members, or in the last class a position
+                p = address - start if c == last else members[first + address - rank]
+            if k == k_end:
+                return 1
+            # Escape `x` is read whether the code needs it or not (`escaped` ends in a
+            # spare 0): a branch on the codes took 10 times as long.
+            code = np.int64((data[k >> 1] >> ((k & 1) << 2)) & 15)
+            escape = code == _NIBBLE_ESCAPE
+            code = (code + np.int64(escaped[x]) * escape + offset) & mask
+            k += 1
+            x += escape
+            if x > x_end:
+                return 2
+            # Un-zig-zagged (a logical shift, also at 64 bits), stored wrapped to the width.
+            out[p] = np.int64(out[p]) + (((code >> 1) & _NO_ADDRESS) ^ -(code & 1))
+            if not is_dense:  # the next address: bytes of 255 continue a gap (`_gap_bytes`)
+                if g == g_end:
+                    address = _NO_ADDRESS
+                else:
+                    gap, byte = 0, 255
+                    while byte == 255 and g < g_end:
+                        byte = data[g]
+                        g += 1
+                        gap += byte
+                    if byte == 255:
+                        return 3
+                    address += 1 + gap
+        cursors[c, _GAP], cursors[c, _ADDRESS], cursors[c, _NIBBLE], cursors[c, _ESCAPE] = g, address, k, x
+        cursors[c, _RANK] = rank + count
+    return 0
+
+
+def _first_address(gaps: np.ndarray) -> tuple[int, int]:
+    """(a sparse class's first address, its next gap byte) from its gap bytes."""
+    if not len(gaps):
+        return _NO_ADDRESS, 0
+    ends = int(np.argmax(gaps != 255))
+    if gaps[ends] == 255:
+        raise ValueError(_APPLY_ERRORS[3])
+    return 255 * ends + int(gaps[ends]), ends + 1
 
 
 def _magnitude(bits: np.ndarray) -> np.ndarray:
@@ -394,22 +509,17 @@ def _magnitude(bits: np.ndarray) -> np.ndarray:
     return bits & np.iinfo(bits.dtype).max
 
 
-def _kind(magnitude: np.ndarray, thresholds: np.ndarray) -> np.ndarray:
-    """The class of each magnitude (a sum of comparisons: faster than a search)."""
-    if not len(thresholds):
-        return np.zeros(len(magnitude), np.uint8)
-    kind = (magnitude >= thresholds[0]).view(np.uint8)
-    for threshold in thresholds[1:]:
-        kind += magnitude >= threshold
-    return kind
-
-
 def _thresholds(dtype: str, bounds: list[int]) -> np.ndarray:
-    """Class bounds as magnitudes: a class starts at the smallest value of its exponent."""
+    """Class bounds as magnitudes: a class starts at the smallest value of its exponent.
+    Always `MAX_CLASSES - 1` of them, those of absent classes above every magnitude: the
+    kernels then compare with each in turn, unrolled (a loop over a variable number took
+    8 times as long)."""
     exponent_bits, mantissa_bits = FLOAT_LAYOUT.get(dtype, (0, 0))
-    if bounds and (list(bounds) != sorted(set(bounds)) or bounds[0] <= 0 or bounds[-1] >= 1 << exponent_bits):
+    if bounds and (list(bounds) != sorted(set(bounds)) or bounds[0] <= 0 or bounds[-1] >= 1 << exponent_bits
+                   or len(bounds) >= MAX_CLASSES):
         raise ValueError(f"invalid class bounds {bounds} for {dtype}")
-    return np.array([b << mantissa_bits for b in bounds], np.int64)
+    absent = [np.iinfo(np.int64).max] * (MAX_CLASSES - 1 - len(bounds))
+    return np.array([b << mantissa_bits for b in bounds] + absent, np.int64)
 
 
 def _code_streams(codes: np.ndarray) -> list[bytes]:
@@ -421,45 +531,6 @@ def _code_streams(codes: np.ndarray) -> list[bytes]:
     pairs = nibbles[0::2] | (nibbles[1::2] << 4)
     escapes = np.compress(codes >= _NIBBLE_ESCAPE, codes) - _NIBBLE_ESCAPE  # faster than a boolean index
     return [_pack(pairs), _pack(escapes.view(np.uint8))]
-
-
-def _differences(pairs: bytes, escapes: bytes, dtype: np.dtype, count: int | None, offset: int) -> np.ndarray:
-    """The signed differences back from `_code_streams`'s codes (`offset` added, then
-    un-zig-zagged); `count` None: as many as the pairs hold (a padding code must then be
-    0 and is dropped by the caller's length check).
-
-    Each byte of pairs becomes its two differences in one lookup (a table of 256 pairs):
-    a tenth of the passes that unpacking nibbles and un-zig-zagging them would take."""
-    signed = np.dtype(dtype)
-    unsigned = np.dtype(signed.str.replace("i", "u"))
-    packed = np.frombuffer(_unpack(pairs), np.uint8)
-    if count is not None and not 0 <= 2 * len(packed) - count <= 1:
-        raise ValueError("difference codes do not match the changes")
-    table = _pair_table(signed.str, offset)
-    differences = np.take(table, packed).view(signed)[:count]
-    # The escape code is the only one the table turns into this difference.
-    is_escaped = differences == _unzigzag(np.array([_NIBBLE_ESCAPE + offset], unsigned))[0]
-    rest = np.frombuffer(_unpack(escapes), unsigned) if escapes else np.zeros(0, unsigned)
-    if not len(rest):  # the common case: checking is cheaper than listing
-        if is_escaped.any():
-            raise ValueError("escaped differences do not match their stream")
-        return differences
-    escaped = np.flatnonzero(is_escaped)
-    if len(rest) != len(escaped):
-        raise ValueError("escaped differences do not match their stream")
-    differences[escaped] = _unzigzag(rest + unsigned.type(_NIBBLE_ESCAPE + offset))
-    return differences
-
-
-@functools.cache
-def _pair_table(signed: str, offset: int) -> np.ndarray:
-    """Element b: the differences of the two nibble codes in byte b (low nibble first),
-    as one element twice their width (a 1-D take of one wide element is the fastest)."""
-    nibbles = np.arange(256)
-    codes = np.stack([nibbles & 15, nibbles >> 4], axis=1) + offset
-    pairs = np.ascontiguousarray(_unzigzag(codes.astype(np.dtype(signed).str.replace("i", "u"))))
-    width = 2 * np.dtype(signed).itemsize
-    return pairs.view({2: np.uint16, 4: np.uint32, 8: np.uint64}.get(width, f"V{width}")).reshape(-1)
 
 
 def _pack(data: np.ndarray) -> bytes:
