@@ -117,6 +117,27 @@ class Learner:
         VERSION.set(target.seq)
         log(logger, "rewound", version=target.version, reason=rewind.reason)
 
+    def rebase_if_too_far_ahead(self) -> None:
+        """Past `max_lead_versions` unserved versions, go on from the newest version serving.
+
+        Samples come from what serves; a chain of versions no user got is trained further
+        and further off-policy (the importance weights fall, the entropy collapses:
+        docs/learning.md), so its lead is bounded as the staleness of samples is."""
+        lead, serving = self.config.max_lead_versions, self.serving
+        if lead is None or not serving:
+            return
+        version = self.current
+        for _ in range(lead):
+            if version.version in serving or version.parent is None:
+                return
+            version = self.registry.get(version.parent)
+        if version.version in serving:
+            return
+        newest = max((self.registry.get(v) for v in serving), key=lambda v: v.seq)
+        self.registry.request_rewind(newest.version, "learner",
+                                     f"{self.current.version} is {lead}+ versions ahead of what serves")
+        self.rewind_if_asked()
+
     # --- consuming -------------------------------------------------------------------------
     def consumer(self) -> KafkaConsumer:
         consumer = KafkaConsumer(
@@ -200,7 +221,7 @@ class Learner:
                 self.drop("untrainable")
         metrics["dropped"] = dict(self.dropped)
         metrics["after_rewind"] = self.applied_rewind  # Registry.head: trained after that rewind
-        staged = self.settings.policies_dir / f"staging-{self.current.seq + 1}"
+        staged = self.settings.policies_dir / "staging-learner"
         shutil.rmtree(staged, ignore_errors=True)
         self.trainer.export(staged)
         if self.holdout:
@@ -210,11 +231,16 @@ class Learner:
             verdict = offline_check(candidate, parent, self.config.gate_margin, self.config.gate_min_ess,
                                     self.kl_from_stable(staged), self.config.gate_max_kl)
             metrics["gate"] = verdict.model_dump()
-        self.trainer.save_state(self.state_dir / f"v{self.current.seq + 1}.pt")
+        # Named after the version once the registry has given it its name (after a rewind
+        # the next version is not current + 1); a crash in between loses only this
+        # version's Adam state, and a rewind to it starts Adam afresh.
+        unnamed_state = self.state_dir / "unpublished.pt"
+        self.trainer.save_state(unnamed_state)
         version = self.registry.publish(
             staged, parent=self.current.version, window=self.window(batch), metrics=metrics,
             sample_ids=[s.sample_id for s in batch], actor="learner",
         )
+        unnamed_state.replace(self.state_dir / f"{version.version}.pt")
         if (gate := metrics.get("gate")) and gate["reason"].startswith("moved too far from stable"):
             # Every version trained on top would be further still: continue from what users get.
             self.registry.request_rewind(self.registry.stable().version, "learner", f"{version.version} {gate['reason']}")
@@ -273,6 +299,7 @@ class Learner:
                         self.next_offsets[tp] = record.offset + 1
                 PENDING.set(len(self.pending))
                 if self.due() or (self.flush_requested.is_set() and self.pending):
+                    self.rebase_if_too_far_ahead()
                     self.learn(consumer)
                 self.flush_requested.clear()
                 self.settle(consumer)

@@ -265,6 +265,10 @@ class LearnerConfig(Config):
     max_interval_s: float = Field(3 * 3600.0, gt=0, description="...or once this long passed with any.")
     min_samples: int = Field(8, ge=1, description="Fewest samples worth a version when time is up.")
     max_version_lag: int = Field(4, ge=0, description="Drop samples more versions behind than this.")
+    max_lead_versions: int | None = Field(
+        None, ge=1, description="Most versions the learner's chain may run ahead of the newest version "
+        "serving (canary, else stable); past it the learner goes on from that version. None: unbounded.",
+    )
     objective: Literal["reinforce", "ppo", "gspo", "cispo"] = Field(
         "reinforce", description="Policy-gradient objective (`learner/rl.py`): off-policy REINFORCE, or a "
         "trust region around the version's parent: PPO-clip, GSPO (sequence ratio), CISPO (clipped weight).",

@@ -197,5 +197,11 @@ def test_a_candidate_too_far_from_stable_sends_the_learner_back_to_stable(settin
         # Back to what users were getting then (the controller may have promoted meanwhile).
         assert rewind.version != far.version and "stable" in {e["to"] for e in registry.history(rewind.version)}
         wait_for(lambda: learner_health(settings)["version"] == rewind.version, timeout=60)
+        # The next version grows from the rewind's, and its optimizer state is kept under its own name
+        # (not under the name of the version after the rewind's, which exists already).
+        api.post("/v1/ingestion", json={"batch": synthetic_batch(settings.learner.batch_samples, rewind.version)})
+        child = wait_for(lambda: next((v for v in registry.versions() if v.parent == rewind.version
+                                       and v.seq > far.seq), None), timeout=120)
+        assert (settings.data_dir / "learner" / f"{child.version}.pt").exists()
     finally:
         restart_learner(settings)

