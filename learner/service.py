@@ -22,6 +22,7 @@ import shutil
 import signal
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -57,9 +58,23 @@ PENDING = Gauge("liverl_learner_pending", "Samples waiting for the next version"
 logger = setup_logging("learner")
 
 
-def held_out(sample_id: str, fraction: float) -> bool:
-    """A fixed, hash-based share of samples never trains: the offline gate's data."""
-    return int(hashlib.sha256(sample_id.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF < fraction
+def held_out(sample: RewardedSample, fraction: float) -> bool:
+    """A fixed, hash-based share of samples never trains: the offline gate's data. A
+    group is kept out or trained whole (its advantages are relative to its members)."""
+    key = f"{sample.tenant}:{sample.trajectory.group_id}" if sample.trajectory.group_id else sample.sample_id
+    return int(hashlib.sha256(key.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF < fraction
+
+
+@dataclass
+class OpenGroup:
+    """The members of a sized group seen so far, and where the first sits in each partition
+    (offsets are not committed past them until the group is trained or given up)."""
+
+    size: int
+    policy_version: str
+    opened: float = field(default_factory=time.time)
+    members: dict[str, RewardedSample] = field(default_factory=dict)
+    first_offsets: dict[TopicPartition, int] = field(default_factory=dict)
 
 
 class SeekToRecorded(ConsumerRebalanceListener):
@@ -92,7 +107,9 @@ class Learner:
         self.serving: set[str] = set()  # versions on replicas now: their samples are never stale
         self.pending: dict[str, RewardedSample] = {}
         self.holdout: list[RewardedSample] = []
-        self.dropped = {"stale": 0, "consent": 0, "malformed": 0, "already_trained": 0, "untrainable": 0}
+        self.dropped = {"stale": 0, "consent": 0, "malformed": 0, "already_trained": 0, "untrainable": 0,
+                        "incomplete_group": 0}
+        self.open_groups: dict[str, OpenGroup] = {}
         self.next_offsets: dict[TopicPartition, int] = {}
         self.window_started = time.time()
         self.cluster_id = settings.broker_cluster_id or "external"
@@ -163,7 +180,7 @@ class Learner:
         except Exception as error:  # counted either way; the broker being down is not a sample's fault
             log(logger, "could not dead-letter a sample", reason=reason, error=repr(error))
 
-    def take(self, raw: bytes) -> None:
+    def take(self, raw: bytes, position: tuple[TopicPartition, int]) -> None:
         CONSUMED.inc()
         try:
             sample = RewardedSample.model_validate_json(raw)
@@ -183,9 +200,49 @@ class Learner:
             return self.drop("stale")
         if self.registry.trained([sample.sample_id]):
             return self.drop("already_trained")  # a revision after its sample was learned
+        if sample.trajectory.group_size is not None and sample.sample_id not in self.pending:
+            return self.gather(sample, raw, position)
         previous = self.pending.get(sample.sample_id)
         if previous is None or sample.revision > previous.revision:
             self.pending[sample.sample_id] = sample
+
+    def gather(self, sample: RewardedSample, raw: bytes, position: tuple[TopicPartition, int]) -> None:
+        """Hold a sized group's members until all have arrived, then pend them together, so
+        a group is trained whole and in one version (never half-scored)."""
+        trajectory = sample.trajectory
+        key = f"{sample.tenant}:{trajectory.group_id}"
+        group = self.open_groups.setdefault(key, OpenGroup(trajectory.group_size, trajectory.policy_version))
+        if (trajectory.group_size, trajectory.policy_version) != (group.size, group.policy_version):
+            self.dead_letter(f"malformed: group {trajectory.group_id} has members of size {group.size} from "
+                             f"{group.policy_version}, this one says {trajectory.group_size} from "
+                             f"{trajectory.policy_version}", raw, sample.tenant)
+            return self.drop("malformed")
+        previous = group.members.get(sample.sample_id)
+        if previous is None or sample.revision > previous.revision:
+            group.members[sample.sample_id] = sample
+        tp, offset = position
+        group.first_offsets[tp] = min(offset, group.first_offsets.get(tp, offset))
+        if len(group.members) == group.size:
+            del self.open_groups[key]
+            self.pending.update(group.members)
+
+    def expire_groups(self) -> None:
+        """Give up groups that stayed incomplete (a rollout cut short, a worker that died)."""
+        now = time.time()
+        for key, group in list(self.open_groups.items()):
+            if now - group.opened > self.config.group_timeout_s:
+                del self.open_groups[key]
+                for _ in group.members:
+                    self.drop("incomplete_group")
+
+    def safe_offsets(self) -> dict[TopicPartition, int]:
+        """Consumed offsets, held back to the first member of any group still incomplete: a
+        restart reads those members again (trained ones are skipped as already trained)."""
+        held = {}
+        for group in self.open_groups.values():
+            for tp, offset in group.first_offsets.items():
+                held[tp] = min(offset, held.get(tp, offset))
+        return {tp: min(offset, held.get(tp, offset)) for tp, offset in self.next_offsets.items()}
 
     def due(self) -> bool:
         n = len(self.pending)
@@ -200,7 +257,7 @@ class Learner:
             per_version[s.trajectory.policy_version] = per_version.get(s.trajectory.policy_version, 0) + 1
         return SampleWindow(
             cluster_id=self.cluster_id,
-            offsets={f"{tp.topic}:{tp.partition}": o for tp, o in self.next_offsets.items()},
+            offsets={f"{tp.topic}:{tp.partition}": o for tp, o in self.safe_offsets().items()},
             first_served=min(served), last_served=max(served), samples=len(samples),
             dropped_stale=self.dropped["stale"], dropped_consent=self.dropped["consent"],
             per_version=per_version,
@@ -208,8 +265,8 @@ class Learner:
 
     def learn(self, consumer: KafkaConsumer) -> PolicyVersion:
         batch = list(self.pending.values())
-        train = [s for s in batch if not held_out(s.sample_id, self.config.holdout_fraction)]
-        self.holdout = (self.holdout + [s for s in batch if held_out(s.sample_id, self.config.holdout_fraction)])[-512:]
+        train = [s for s in batch if not held_out(s, self.config.holdout_fraction)]
+        self.holdout = (self.holdout + [s for s in batch if held_out(s, self.config.holdout_fraction)])[-512:]
         parent_weights = self.trainer.snapshot()
         started = time.time()
         metrics = self.trainer.train(train or batch, seed=self.current.seq)
@@ -272,14 +329,15 @@ class Learner:
             for s in held])
 
     def commit(self, consumer: KafkaConsumer) -> None:
-        consumer.commit({tp: OffsetAndMetadata(o, "", -1) for tp, o in self.next_offsets.items()})
-        self.committed = dict(self.next_offsets)
+        offsets = self.safe_offsets()
+        consumer.commit({tp: OffsetAndMetadata(o, "", -1) for tp, o in offsets.items()})
+        self.committed = offsets
 
     def settle(self, consumer: KafkaConsumer) -> None:
         """Nothing pending, yet offsets moved (all dropped): record them, so a drain ends."""
-        if not self.pending and self.next_offsets != self.committed:
+        if not self.pending and self.safe_offsets() != self.committed:
             self.registry.record_offsets(
-                self.cluster_id, {f"{tp.topic}:{tp.partition}": o for tp, o in self.next_offsets.items()})
+                self.cluster_id, {f"{tp.topic}:{tp.partition}": o for tp, o in self.safe_offsets().items()})
             self.commit(consumer)
 
     def run(self, stop: threading.Event) -> None:
@@ -295,8 +353,9 @@ class Learner:
                     continue
                 for tp, records in consumer.poll(timeout_ms=500).items():
                     for record in records:
-                        self.take(record.value)
+                        self.take(record.value, (tp, record.offset))
                         self.next_offsets[tp] = record.offset + 1
+                self.expire_groups()
                 PENDING.set(len(self.pending))
                 if self.due() or (self.flush_requested.is_set() and self.pending):
                     self.rebase_if_too_far_ahead()

@@ -11,7 +11,14 @@ import uuid
 from datetime import datetime, timezone
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, field_validator
+from pydantic import (
+    AwareDatetime,
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
 
 SCHEMA_VERSION = 1
 
@@ -90,6 +97,8 @@ class Trajectory(Strict):
     timestamp: AwareDatetime = Field(default_factory=utcnow)
     completion_id: Id
     group_id: Id | None = Field(None, description="Completions sampled for one prompt.")
+    group_size: int | None = Field(None, ge=2, le=1024, description="How many completions the group has: "
+                                   "the learner trains it only whole, in one version (rollouts set it).")
     policy_version: str
     replica: str | None = None
     source: Literal["gateway", "sdk", "rollout"] = "gateway"
@@ -108,6 +117,12 @@ class Trajectory(Strict):
     turns: list[Turn] | None = Field(None, description="Multi-turn agent trajectories.")
     latency_ms: float | None = None
     time_to_first_token_ms: float | None = None
+
+    @model_validator(mode="after")
+    def _sized_groups_are_named(self):
+        if self.group_size is not None and self.group_id is None:
+            raise ValueError("group_size needs a group_id")
+        return self
 
 
 class Architecture(BaseModel):

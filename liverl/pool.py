@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import httpx
 from pydantic import BaseModel, Field
 
 from liverl.settings import Settings
 
 SERVED_MODEL_NAME = "liverl-policy"
+UNIX = "unix:"
 
 
 class Replica(BaseModel):
@@ -72,3 +74,18 @@ def set_aliases(settings: Settings, **aliases: str | None) -> Pool:
             pool.aliases[alias] = version
     write_pool(settings, pool)
     return pool
+
+
+def replica_client(url: str, timeout: float = 30) -> httpx.Client:
+    """An HTTP client to one replica, over its socket or TCP; paths are relative ("/health")."""
+    if url.startswith(UNIX):
+        return httpx.Client(transport=httpx.HTTPTransport(uds=url[len(UNIX):]), base_url="http://replica",
+                            timeout=timeout)
+    return httpx.Client(base_url=url, timeout=timeout)
+
+
+def replica_async_client(url: str, timeout: float) -> httpx.AsyncClient:
+    if url.startswith(UNIX):
+        return httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=url[len(UNIX):]),
+                                 base_url="http://replica", timeout=timeout)
+    return httpx.AsyncClient(base_url=url, timeout=timeout)

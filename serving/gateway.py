@@ -36,10 +36,16 @@ from liverl.http import refuse_deep_json
 from liverl.kafka import encode, make_producer
 from liverl.keys import KeyRecord, KeyStore, require_key
 from liverl.observability import log, mount_metrics, setup_logging
-from liverl.pool import SERVED_MODEL_NAME, Pool, Replica, pool_file, read_pool
+from liverl.pool import (
+    SERVED_MODEL_NAME,
+    Pool,
+    Replica,
+    pool_file,
+    read_pool,
+    replica_async_client,
+)
 from liverl.ratelimit import TenantRateLimiter
 from liverl.settings import Settings, get_settings
-from serving.replicas import replica_async_client
 
 REQUESTS = Counter("liverl_gateway_requests_total", "Requests", ["endpoint", "status", "version"])
 LATENCY = Histogram("liverl_gateway_latency_seconds", "End-to-end latency", ["endpoint"])

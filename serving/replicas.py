@@ -11,12 +11,11 @@ from pathlib import Path
 
 import httpx
 
-from liverl.pool import SERVED_MODEL_NAME, Replica
+from liverl.pool import SERVED_MODEL_NAME, UNIX, Replica, replica_client
 from liverl.process import spawn, wait_until
 from liverl.settings import Settings
 
 # --- Where a replica listens, and how liverl reaches it ------------------------------------
-UNIX = "unix:"
 SOCKET_PATH_MAX = 107  # sun_path holds 108 bytes with the terminating NUL
 
 
@@ -39,21 +38,6 @@ def replica_url(settings: Settings, index: int, slot: int = 0) -> str:
         raise ReplicaError(f"the replica socket path {path} is longer than {SOCKET_PATH_MAX} bytes; "
                            "use a shorter LIVERL_DATA_DIR")
     return f"{UNIX}{path}"
-
-
-def replica_client(url: str, timeout: float = 30) -> httpx.Client:
-    """An HTTP client to one replica, over its socket or TCP; paths are relative ("/health")."""
-    if url.startswith(UNIX):
-        return httpx.Client(transport=httpx.HTTPTransport(uds=url[len(UNIX):]), base_url="http://replica",
-                            timeout=timeout)
-    return httpx.Client(base_url=url, timeout=timeout)
-
-
-def replica_async_client(url: str, timeout: float) -> httpx.AsyncClient:
-    if url.startswith(UNIX):
-        return httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=url[len(UNIX):]),
-                                 base_url="http://replica", timeout=timeout)
-    return httpx.AsyncClient(base_url=url, timeout=timeout)
 
 
 def replica_healthy(url: str) -> bool:

@@ -36,11 +36,17 @@ from pathlib import Path
 import httpx
 from pydantic import BaseModel, Field
 
-from liverl.pool import SERVED_MODEL_NAME, Replica, read_pool, write_pool
+from liverl.pool import (
+    SERVED_MODEL_NAME,
+    Replica,
+    read_pool,
+    replica_client,
+    write_pool,
+)
 from liverl.probe import PROBE_FILE
 from liverl.process import stop_pid, wait_until
 from liverl.settings import Settings
-from serving.replicas import launch_replica, replica_client, replica_url, wait_replica
+from serving.replicas import launch_replica, replica_url, wait_replica
 from sync.replica import ReplicaSync
 
 

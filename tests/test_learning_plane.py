@@ -4,6 +4,7 @@ demo in small: simulated users whose hidden preference the served policy learns.
 
 from __future__ import annotations
 
+import json
 import shutil
 import uuid
 
@@ -205,3 +206,42 @@ def test_a_candidate_too_far_from_stable_sends_the_learner_back_to_stable(settin
         assert (settings.data_dir / "learner" / f"{child.version}.pt").exists()
     finally:
         restart_learner(settings)
+
+
+def test_a_sized_group_is_trained_only_whole_and_in_one_version(settings, api):
+    """Rollout groups carry their size: a group missing a member waits (it is never trained
+    half-scored), and once whole all its members train in the same version."""
+    registry = Registry(settings.policies_dir)
+    version = wait_for(lambda: learner_health(settings), timeout=60)["version"]
+
+    def group(n: int) -> tuple[list[dict], list[str]]:
+        gid = f"grp-{uuid.uuid4().hex}"
+        items = synthetic_batch(n, version)
+        for it in items:
+            if it["type"] == "trajectory":
+                it["body"].update(group_id=gid, group_size=4)
+        return items, [f"dev:{it['body']['completion_id']}" for it in items if it["type"] == "trajectory"]
+
+    whole, whole_ids = group(4)
+    cut, cut_ids = group(3)
+    assert api.post("/v1/ingestion", json={"batch": whole + cut}).json()["rejected"] == 0
+
+    def trained(ids: list[str]) -> bool:
+        httpx.post(settings.url(settings.ports.learner) + "/flush", headers=admin_headers(settings), timeout=10)
+        return registry.trained(ids) == set(ids)
+    wait_for(lambda: trained(whole_ids), timeout=120, interval=2)
+    assert registry.trained(cut_ids) == set()
+    # The missing member arrives: the whole group trains, together.
+    last = synthetic_batch(1, version)
+    last[0]["body"].update(group_id=cut[0]["body"]["group_id"], group_size=4)
+    api.post("/v1/ingestion", json={"batch": last})
+    cut_ids.append(f"dev:{last[0]['body']['completion_id']}")
+    wait_for(lambda: trained(cut_ids), timeout=120, interval=2)
+    versions = {row[0] for row in registry.db.execute(
+        f"SELECT version FROM trained_samples WHERE sample_id IN ({','.join('?' * 4)})", cut_ids)}
+    assert len(versions) == 1
+    # A size without a group is refused at the door, naming the field.
+    lone = synthetic_batch(1, version)
+    lone[0]["body"]["group_size"] = 4
+    answer = api.post("/v1/ingestion", json={"batch": lone}).json()
+    assert answer["rejected"] == 1 and "group_size needs a group_id" in json.dumps(answer)

@@ -9,8 +9,8 @@ import stat
 import subprocess
 
 from app.stack import port_free
-from liverl.pool import read_pool
-from serving.replicas import UNIX, replica_client, sockets_dir
+from liverl.pool import UNIX, read_pool, replica_client
+from serving.replicas import sockets_dir
 
 CONNECT = """
 import socket, sys
