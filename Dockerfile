@@ -17,6 +17,7 @@ COPY learner ./learner
 COPY sync ./sync
 COPY policies ./policies
 COPY promotion ./promotion
+COPY rollouts ./rollouts
 RUN pip install . \
     && useradd --system --create-home --uid 10001 liverl \
     && mkdir -p /data && chown liverl /data

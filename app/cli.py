@@ -504,7 +504,7 @@ def replica_add(name: str, url: str, reason: str = ChangeReason, data_dir: Optio
     probe logprobs, so the gateway never sends users to the wrong weights."""
     import httpx as http
 
-    from liverl.pool import Replica, read_pool, write_pool
+    from liverl.pool import Replica, edit_pool, read_pool
     from policies.registry import Registry
     from serving.swap import VerificationFailed, verify
 
@@ -531,9 +531,11 @@ def replica_add(name: str, url: str, reason: str = ChangeReason, data_dir: Optio
         fail(f"{url} does not serve {record.version}'s weights: {error}")
     except http.HTTPError as error:
         fail(f"{url} does not answer as a vLLM replica: {error!r}")
-    pool.replicas.append(Replica(name=name, url=url, policy_version=record.version, model_dir=record.model_dir,
-                                 alias=alias))
-    write_pool(settings, pool)
+    with edit_pool(settings) as pool:
+        if any(r.name == name for r in pool.replicas):
+            fail(f"a replica named {name!r} was added meanwhile")
+        pool.replicas.append(Replica(name=name, url=url, policy_version=record.version,
+                                     model_dir=record.model_dir, alias=alias))
     operator_audit(settings, "replica.add", name, reason=reason, url=url, version=record.version, alias=alias)
     console.print(f"{name} at {url} serves {record.version} (probe within {diff:.1e}); the gateway routes "
                   + (f"requests for alias {alias} to it" if alias else "to it"))
@@ -542,19 +544,18 @@ def replica_add(name: str, url: str, reason: str = ChangeReason, data_dir: Optio
 @replica_app.command("remove")
 def replica_remove(name: str, reason: str = ChangeReason, data_dir: Optional[Path] = DataDir) -> None:
     """Stop routing to a replica (the process itself is not touched)."""
-    from liverl.pool import read_pool, write_pool
+    from liverl.pool import edit_pool
 
     settings = settings_from(data_dir)
-    pool = read_pool(settings)
-    gone = [r for r in pool.replicas if r.name == name]
-    if not gone:
-        fail(f"no replica named {name!r} (replicas: {', '.join(r.name for r in pool.replicas) or 'none'})")
-    left = [r for r in pool.replicas if r.name != name]
-    stable = pool.aliases.get("stable")
-    if stable and not any(r.enabled and r.alias is None and r.policy_version == stable for r in left):
-        fail(f"{name} is the last replica serving stable ({stable}); add another first")
-    pool.replicas = left
-    write_pool(settings, pool)
+    with edit_pool(settings) as pool:
+        gone = [r for r in pool.replicas if r.name == name]
+        if not gone:
+            fail(f"no replica named {name!r} (replicas: {', '.join(r.name for r in pool.replicas) or 'none'})")
+        left = [r for r in pool.replicas if r.name != name]
+        stable = pool.aliases.get("stable")
+        if stable and not any(r.enabled and r.alias is None and r.policy_version == stable for r in left):
+            fail(f"{name} is the last replica serving stable ({stable}); add another first")
+        pool.replicas = left
     operator_audit(settings, "replica.remove", name, reason=reason, url=gone[0].url)
     console.print(f"{name} removed from the pool; the gateway no longer routes to it")
 

@@ -54,7 +54,8 @@ DRAINED_GROUPS = {
 
 # Every liverl component `up` starts, by the module it runs (compose.yaml runs the same).
 COMPONENTS = {"sink": "feedback.sink", "feedback": "feedback.stream", "api": "ingest.api",
-              "gateway": "serving.gateway", "learner": "learner.service", "controller": "promotion.controller"}
+              "gateway": "serving.gateway", "learner": "learner.service", "controller": "promotion.controller",
+              "capacity": "serving.capacity", "rollouts": "rollouts.worker"}
 
 
 class StackError(RuntimeError):
@@ -128,6 +129,8 @@ def check_ports(settings: Settings) -> None:
     ports = settings.ports
     wanted = {"ingest API": ports.api, "gateway": ports.gateway, "sink": ports.sink,
               "feedback": ports.feedback, "controller": ports.controller}
+    if settings.capacity.enabled:
+        wanted.update({"capacity scheduler": ports.capacity, "rollout worker": ports.rollouts})
     if settings.serving.listen == "tcp":
         wanted.update({f"replica-{i}": ports.replica_base + i for i in range(settings.serving.replicas)})
     if isinstance(settings.broker, EmbeddedBroker):
@@ -214,6 +217,9 @@ def up(settings: Settings, say: Callable[[str], None] = print, progress: bool = 
         if settings.learner.enabled:
             launcher.python("learner", settings.ports.learner)
         launcher.python("controller", settings.ports.controller)
+        if settings.capacity.enabled:
+            launcher.python("rollouts", settings.ports.rollouts)
+            launcher.python("capacity", settings.ports.capacity)
     except (StackError, ReplicaError, OSError) as error:
         stop_all(settings, launcher.started)
         raise StackError(str(error)) from None

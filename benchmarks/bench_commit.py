@@ -29,9 +29,9 @@ from rich.table import Table
 from app.demo import Population, demo_settings
 from app.stack import down, up
 from liverl.keys import admin_headers
-from liverl.pool import read_pool
+from liverl.pool import read_pool, set_replica
 from liverl.settings import ServingConfig
-from serving.swap import drain_in_flight, load_in_place, set_replica
+from serving.swap import drain_in_flight, load_in_place
 
 console = Console(width=160)
 STEPS = ("pause", "load", "worker_load", "reset", "resume")

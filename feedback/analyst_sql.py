@@ -30,7 +30,8 @@ from sqlglot.errors import SqlglotError
 DATABASE = "liverl"
 TENANT_TABLES = {"feedback_events", "trajectories", "samples", "requests", "dead_letters", "version_hourly"}
 # Tables without a tenant column, and the columns a tenant key may read of them.
-SHARED_TABLES = {"policy_versions": "event_id, version, parent, created_at, updated_at, state, content_hash"}
+SHARED_TABLES = {"policy_versions": "event_id, version, parent, created_at, updated_at, state, content_hash",
+                 "capacity_events": "*"}
 
 # Seconds, rows and bytes per query: chdb runs one query at a time, so an analyst's slow
 # query would stall the sink's inserts for as long as it ran.

@@ -20,9 +20,10 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, Field
 
-from liverl.contracts import FeedbackEvent, OutcomeBody, Trajectory
+from liverl.contracts import ROLLOUT_SCORE, FeedbackEvent, OutcomeBody, Trajectory
 
 RewardHook = Callable[[Trajectory, Sequence[FeedbackEvent]], float]
+
 
 
 class RewardConfig(BaseModel):
@@ -101,7 +102,9 @@ class Rewarder:
             reward, accepted = signal_reward(max(signals, key=lambda e: e.timestamp), trajectory, config)
         for e in events:
             if isinstance(e.body, OutcomeBody):
-                reward += config.outcome_weights.get(e.body.name, 0.0) * e.body.value
+                # A rollout's environment score is its reward unless the team weighs it otherwise.
+                weight = config.outcome_weights.get(e.body.name, 1.0 if e.body.name == ROLLOUT_SCORE else 0.0)
+                reward += weight * e.body.value
         return RewardResult(reward=reward, accepted=accepted, fn_version=version)
 
 

@@ -26,6 +26,7 @@ from feedback.analyst_sql import RefusedQuery, prepare
 from feedback.warehouse import FORMATS, Warehouse, open_warehouse, query_json
 from liverl.audit import AuditLog
 from liverl.contracts import (
+    CapacityEvent,
     DeadLetter,
     FeedbackEvent,
     PolicyVersionEvent,
@@ -52,7 +53,9 @@ TABLE_OF = {
     Topics.REQUESTS: "requests",
     Topics.DEAD_LETTER: "dead_letters",
     Topics.POLICY_VERSIONS: "policy_versions",
+    Topics.CAPACITY: "capacity_events",
 }
+UNTENANTED = {"policy_versions", "capacity_events"}
 
 
 def quote(value: str) -> str:
@@ -116,7 +119,7 @@ class Sink:
         """Which (tenant, event_id) pairs are stored: an event id is the tenant's own name,
         so another tenant's event with the same id is not a duplicate."""
         quoted = ",".join(quote(event_id) for _, event_id in keys)
-        tenant = "NULL" if table == "policy_versions" else "tenant"  # the one table without tenants
+        tenant = "NULL" if table in UNTENANTED else "tenant"
         rows = query_json(self.warehouse, f"SELECT {tenant} AS tenant, event_id FROM {table} "
                                           f"WHERE event_id IN ({quoted})")
         return {(r["tenant"], r["event_id"]) for r in rows}
@@ -163,6 +166,9 @@ class Sink:
             return request_row(RequestRecord.model_validate_json(raw))
         if topic == Topics.POLICY_VERSIONS:
             return policy_version_row(PolicyVersionEvent.model_validate_json(raw))
+        if topic == Topics.CAPACITY:
+            event = CapacityEvent.model_validate_json(raw)
+            return dict(event.model_dump(exclude={"schema_version"}), timestamp=_ts(event.timestamp))
         return dead_letter_row(DeadLetter.model_validate_json(raw))
 
     def store(self, topic: str, messages: list[bytes]) -> None:

@@ -34,7 +34,7 @@ import faust
 from prometheus_client import Counter
 from pydantic import ValidationError
 
-from feedback.rewards import RewardResult, Rewarder
+from feedback.rewards import Rewarder, RewardResult
 from liverl.contracts import (
     DeadLetter,
     FeedbackEvent,

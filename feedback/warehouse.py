@@ -58,6 +58,11 @@ SCHEMA = [
         updated_at DateTime64(3, 'UTC'), state LowCardinality(String),
         content_hash String, metrics String
     ) ENGINE = ReplacingMergeTree(updated_at) ORDER BY version""",  # latest state per version
+    """CREATE TABLE IF NOT EXISTS capacity_events (
+        event_id String, timestamp DateTime64(3, 'UTC'), action LowCardinality(String), replica String,
+        policy_version String, load Float64, why String, seconds Float64,
+        aborted_requests Nullable(Int64), error Nullable(String)
+    ) ENGINE = ReplacingMergeTree ORDER BY (timestamp, event_id)""",
     # Per version and hour. The *_delta columns make revisions exact: a corrected
     # sample adds (new reward - old reward) and no extra count.
     """CREATE TABLE IF NOT EXISTS version_hourly (

@@ -21,6 +21,8 @@ from pydantic import (
 )
 
 SCHEMA_VERSION = 1
+# The outcome a rollout worker reports for each completion: its environment's score in [0, 1].
+ROLLOUT_SCORE = "rollout_score"
 
 
 class Topics:
@@ -32,11 +34,12 @@ class Topics:
     DEAD_LETTER = "liverl.dead-letter"
     REQUESTS = "liverl.requests"  # failed/served request records for error-rate analytics
     POLICY_VERSIONS = "liverl.policy-versions"  # registry state changes, for analysts
+    CAPACITY = "liverl.capacity"  # replicas lent to rollouts and taken back
     # The join's own queue of reward windows to close: a faust table may only be
     # changed by the agent that consumes its partition, not by a timer.
     WINDOW_CLOSE = "liverl.feedback.window-close"
 
-    ALL = (TRAJECTORIES, FEEDBACK, SAMPLES, DEAD_LETTER, REQUESTS, POLICY_VERSIONS)
+    ALL = (TRAJECTORIES, FEEDBACK, SAMPLES, DEAD_LETTER, REQUESTS, POLICY_VERSIONS, CAPACITY)
     INTERNAL = (WINDOW_CLOSE,)
 
 
@@ -285,3 +288,19 @@ class PolicyVersionEvent(Strict):
     created_at: float
     content_hash: str
     metrics: dict[str, Any] = Field(default_factory=dict)
+
+
+class CapacityEvent(Strict):
+    """A replica lent to rollouts or taken back by the capacity scheduler, and why."""
+
+    event_id: Id = Field(default_factory=lambda: new_id("cap"))
+    schema_version: int = SCHEMA_VERSION
+    timestamp: AwareDatetime = Field(default_factory=utcnow)
+    action: Literal["lend", "take_back"]
+    replica: str
+    policy_version: str = Field(description="What it serves afterwards: the rollout version, or stable.")
+    load: float = Field(description="Production requests in flight and waiting per production replica.")
+    why: str
+    seconds: float = Field(description="From the load reading that asked for it to the replica's switch.")
+    aborted_requests: int | None = Field(None, description="Rollout requests aborted by a take-back.")
+    error: str | None = Field(None, description="Why the swap failed (the replica stays out of production).")

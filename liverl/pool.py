@@ -8,6 +8,9 @@ the promotion controller and the CLI all read it, so it lives here, in the share
 
 from __future__ import annotations
 
+import fcntl
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -16,6 +19,7 @@ from pydantic import BaseModel, Field
 from liverl.settings import Settings
 
 SERVED_MODEL_NAME = "liverl-policy"
+ROLLOUT = "rollout"  # the alias of a replica lent to rollouts: no production request reaches it
 UNIX = "unix:"
 
 
@@ -40,6 +44,11 @@ class Pool(BaseModel):
         """The replicas of general traffic, which swaps move between stable and canary."""
         return [r for r in self.replicas if r.alias is None]
 
+    @property
+    def lent(self) -> list[Replica]:
+        """The replicas lent to rollouts (the capacity scheduler's, `serving/capacity.py`)."""
+        return [r for r in self.replicas if r.alias == ROLLOUT]
+
     def get(self, name: str) -> Replica:
         for replica in self.replicas:
             if replica.name == name:
@@ -56,6 +65,20 @@ def read_pool(settings: Settings) -> Pool:
     return Pool.model_validate_json(path.read_text()) if path.exists() else Pool()
 
 
+@contextmanager
+def edit_pool(settings: Settings) -> Iterator[Pool]:
+    """Read, change and write the pool under an exclusive lock: the controller's swaps, the
+    capacity scheduler and the CLI change it from different processes, and a change made
+    between another's read and write must not be lost."""
+    lock = pool_file(settings).with_suffix(".lock")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        pool = read_pool(settings)
+        yield pool
+        write_pool(settings, pool)
+
+
 def write_pool(settings: Settings, pool: Pool) -> None:
     path = pool_file(settings)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -66,14 +89,21 @@ def write_pool(settings: Settings, pool: Pool) -> None:
 
 def set_aliases(settings: Settings, **aliases: str | None) -> Pool:
     """Point aliases at versions (None removes one); the gateway routes by them."""
-    pool = read_pool(settings)
-    for alias, version in aliases.items():
-        if version is None:
-            pool.aliases.pop(alias, None)
-        else:
-            pool.aliases[alias] = version
-    write_pool(settings, pool)
+    with edit_pool(settings) as pool:
+        for alias, version in aliases.items():
+            if version is None:
+                pool.aliases.pop(alias, None)
+            else:
+                pool.aliases[alias] = version
     return pool
+
+
+def set_replica(settings: Settings, name: str, **changes: object) -> Replica:
+    """Change one replica's record (enabled, alias, version...)."""
+    with edit_pool(settings) as pool:
+        updated = pool.get(name).model_copy(update=changes)
+        pool.replicas = [updated if r.name == name else r for r in pool.replicas]
+    return updated
 
 
 def replica_client(url: str, timeout: float = 30) -> httpx.Client:

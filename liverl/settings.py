@@ -154,6 +154,8 @@ class PortsConfig(Config):
     feedback: Port = Field(18070, description="Faust feedback worker web port.")
     learner: Port = Field(18060, description="Learner metrics/admin port.")
     controller: Port = Field(18050, description="Promotion controller's health and admin port.")
+    capacity: Port = Field(18040, description="Capacity scheduler's health and metrics port.")
+    rollouts: Port = Field(18030, description="Rollout worker's health and metrics port.")
     replica_base: Port = Field(18100, description="First vLLM replica port; replica i uses base+i.")
 
 
@@ -368,6 +370,45 @@ class PromotionConfig(Config):
         return self
 
 
+class CapacityConfig(Config):
+    """The capacity scheduler (`serving/capacity.py`): idle replicas lent to rollouts."""
+
+    enabled: bool = Field(False, description="Lend idle replicas to rollouts (and start the rollout worker).")
+    poll_s: float = Field(0.1, gt=0, description="How often the scheduler reads the gateway's load.")
+    lend_below: float = Field(0.5, ge=0, description="Production requests in flight (and waiting) per "
+                              "production replica below which the load is low enough to lend one.")
+    lend_after_s: float = Field(20.0, ge=0, description="How long the load must stay that low before a "
+                                "replica is lent (and between two lends).")
+    take_back_above: float = Field(1.0, ge=0, description="Load per production replica above which a lent "
+                                   "replica is taken back at once; above lend_below, so it does not flap.")
+    min_production_replicas: int = Field(1, ge=1, description="Replicas never lent, whatever the load.")
+    refresh_s: float = Field(30.0, gt=0, description="How often a lent replica moves to the learner's newest "
+                             "version, so rollouts stay on-policy.")
+
+    @model_validator(mode="after")
+    def _hysteresis(self):
+        if self.take_back_above < self.lend_below:
+            raise ValueError(f"LIVERL_CAPACITY__TAKE_BACK_ABOVE ({self.take_back_above}) must not be below "
+                             f"LIVERL_CAPACITY__LEND_BELOW ({self.lend_below})")
+        return self
+
+
+class RolloutsConfig(Config):
+    """Rollout workers (`rollouts/worker.py`): GRPO groups on replicas lent to rollouts."""
+
+    environment: str = Field("coding", description="A built-in environment (coding, humaneval) or "
+                             "'module:Class' of a team's own (rollouts/environment.py).")
+    levels: list[int] | None = Field(None, description="Coding environment: the levels tasks are drawn "
+                                     "from; None: all.")
+    group_size: int = Field(16, ge=2, le=1024, description="Completions sampled per task (G): their "
+                            "rewards relative to each other are the GRPO advantages.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature of rollouts.")
+    max_tokens: int = Field(24, ge=1, description="Most tokens one rollout completion may take.")
+    tenant: str = Field("rollouts", pattern=r"^[A-Za-z0-9._\-]+$", description="The tenant rollouts are "
+                        "recorded under (kept apart from production in every table).")
+    scoring_threads: int = Field(4, ge=1, description="Completions scored at once in the sandbox.")
+
+
 CONFIG_FILE_VARIABLE = "LIVERL_CONFIG_FILE"
 
 
@@ -418,6 +459,8 @@ class Settings(BaseSettings):
     ingest: IngestConfig = Field(default_factory=IngestConfig, description="Ingest API limits.")
     learner: LearnerConfig = Field(default_factory=LearnerConfig, description="The learner.")
     promotion: PromotionConfig = Field(default_factory=PromotionConfig, description="The promotion controller.")
+    capacity: CapacityConfig = Field(default_factory=CapacityConfig, description="Lending idle replicas.")
+    rollouts: RolloutsConfig = Field(default_factory=RolloutsConfig, description="Off-peak rollouts.")
     broker_cluster_id: str | None = Field(
         None, description="Set by `liverl up` per start; offsets are recorded with it."
     )

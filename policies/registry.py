@@ -23,6 +23,8 @@ from typing import Iterator, Literal
 
 from pydantic import BaseModel, Field
 
+from liverl.pool import ROLLOUT
+
 State = Literal["candidate", "canary", "stable", "rolled_back", "rejected", "superseded", "aborted"]
 # A version in one of these states was taken off users for its quality: whatever the
 # learner trained on top of it continues a rejected chain.
@@ -106,7 +108,9 @@ class Rewind(BaseModel):
     reason: str
 
 
-LIFECYCLE_ALIASES = ("stable", "canary")
+# The lifecycle's own names, and the pool's name for replicas lent to rollouts: no team
+# alias may take them.
+LIFECYCLE_ALIASES = ("stable", "canary", ROLLOUT)
 
 
 class AliasMove(BaseModel):

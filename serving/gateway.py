@@ -14,6 +14,7 @@ import json
 import random
 import time
 from collections import Counter as Tally
+from collections import deque
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
@@ -34,9 +35,10 @@ from liverl.contracts import (
 )
 from liverl.http import refuse_deep_json
 from liverl.kafka import encode, make_producer
-from liverl.keys import KeyRecord, KeyStore, require_key
+from liverl.keys import KeyRecord, KeyStore, require_admin, require_key
 from liverl.observability import log, mount_metrics, setup_logging
 from liverl.pool import (
+    ROLLOUT,
     SERVED_MODEL_NAME,
     Pool,
     Replica,
@@ -96,14 +98,37 @@ def request_schema(model: type[BaseModel]) -> dict:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
 
 
+class GatewayLoad(BaseModel):
+    """Production load as the gateway sees it: what the capacity scheduler lends by."""
+
+    in_flight: dict[str, int] = Field(description="Requests each replica is answering now.")
+    waiting: int = Field(description="Requests waiting for an enabled replica.")
+    requests_per_s: float = Field(description="Requests routed per second over the last `window_s`.")
+    window_s: float
+
+
 class Router:
     """Least-in-flight routing over the enabled replicas of the pool file."""
+
+    LOAD_WINDOW_S = 5.0
 
     def __init__(self, settings: Settings):
         self.settings = settings
         self.inflight: Tally[str] = Tally()
+        self.waiting = 0
+        self.routed: deque[float] = deque()  # monotonic times of the last LOAD_WINDOW_S's requests
         self._pool = Pool()
         self._mtime: int | None = None
+
+    def forget_routed(self, now: float) -> None:
+        while self.routed and self.routed[0] < now - self.LOAD_WINDOW_S:
+            self.routed.popleft()
+
+    def load(self) -> GatewayLoad:
+        self.forget_routed(time.monotonic())
+        return GatewayLoad(in_flight={name: n for name, n in self.inflight.items() if n},
+                           waiting=self.waiting, requests_per_s=len(self.routed) / self.LOAD_WINDOW_S,
+                           window_s=self.LOAD_WINDOW_S)
 
     def pool(self) -> Pool:
         try:
@@ -131,18 +156,26 @@ class Router:
     async def pick(self, session: str | None = None, alias: str | None = None) -> Replica:
         """The least busy enabled replica for the session, or for the version `alias` names;
         while a swap has none enabled, wait for one."""
-        deadline = time.monotonic() + self.settings.serving.no_replica_wait_s
-        while True:
-            pool = self.pool()  # one look at the pool file per request
-            if alias is None:
-                enabled = [r for r in pool.general if r.enabled]
-            else:  # the version's replicas, a team's own included
-                enabled = [r for r in pool.replicas if r.enabled and r.policy_version == aliased_version(pool, alias)]
-            if enabled:
-                return min(self.for_session(pool, enabled, session), key=lambda r: self.inflight[r.name])
-            if time.monotonic() > deadline:
-                raise NoReplica("no replica is serving")
-            await asyncio.sleep(0.02)
+        now = time.monotonic()
+        deadline = now + self.settings.serving.no_replica_wait_s
+        self.routed.append(now)
+        self.forget_routed(now)
+        self.waiting += 1
+        try:
+            while True:
+                pool = self.pool()  # one look at the pool file per request
+                if alias is None:
+                    enabled = [r for r in pool.general if r.enabled]
+                else:  # the version's replicas, a team's own included, never one lent to rollouts
+                    enabled = [r for r in pool.replicas if r.enabled and r.alias != ROLLOUT
+                               and r.policy_version == aliased_version(pool, alias)]
+                if enabled:
+                    return min(self.for_session(pool, enabled, session), key=lambda r: self.inflight[r.name])
+                if time.monotonic() > deadline:
+                    raise NoReplica("no replica is serving")
+                await asyncio.sleep(0.02)
+        finally:
+            self.waiting -= 1
 
 
 def aliased_version(pool: Pool, alias: str) -> str:
@@ -480,6 +513,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return {"object": "list", "data": [
             {"id": SERVED_MODEL_NAME, "object": "model", "owned_by": "liverl", "versions": versions}
         ]}
+
+    @app.get("/admin/load")
+    async def load(key: KeyRecord = Depends(require_admin)) -> GatewayLoad:
+        """Production requests in flight per replica, waiting, and routed per second."""
+        return router.load()
 
     @app.get("/health")
     async def health() -> dict:

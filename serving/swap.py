@@ -41,7 +41,7 @@ from liverl.pool import (
     Replica,
     read_pool,
     replica_client,
-    write_pool,
+    set_replica,
 )
 from liverl.probe import PROBE_FILE
 from liverl.process import stop_pid, wait_until
@@ -118,14 +118,6 @@ def spare_url(settings: Settings, replica: Replica) -> str:
     index = int(replica.name.rsplit("-", 1)[1])
     blue = replica_url(settings, index, 0)
     return replica_url(settings, index, 1) if replica.url == blue else blue
-
-
-def set_replica(settings: Settings, name: str, **changes: object) -> Replica:
-    pool = read_pool(settings)
-    updated = pool.get(name).model_copy(update=changes)
-    pool.replicas = [updated if r.name == name else r for r in pool.replicas]
-    write_pool(settings, pool)
-    return updated
 
 
 def drain_in_flight(url: str, timeout_s: float) -> float:

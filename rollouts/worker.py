@@ -1,0 +1,171 @@
+"""Rollout worker: GRPO groups sampled on replicas lent to rollouts, scored, published.
+
+For each replica the pool lends to rollouts (alias `rollout`, which general traffic never
+reaches), the worker keeps one group in flight: it draws a task from the environment,
+asks the replica for G completions of it in one request (so one version, the replica's),
+scores each in the sandbox, and publishes the G trajectories (source `rollout`, one group
+id, `group_size` G, behaviour logprobs) to the trajectories topic, as the gateway does,
+and each score as a `rollout_score` outcome on the feedback topic; the stream joins them
+and the learner trains the group whole. A request cut by a take-back (the replica's
+requests are aborted) publishes nothing: the group is counted as cut, never half-scored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import uvicorn
+from aiokafka import AIOKafkaProducer
+from fastapi import FastAPI
+
+from liverl.contracts import (
+    ROLLOUT_SCORE,
+    FeedbackEvent,
+    OutcomeBody,
+    SamplingParams,
+    Topics,
+    Trajectory,
+    new_id,
+    utcnow,
+)
+from liverl.kafka import encode, make_producer
+from liverl.observability import mount_metrics
+from liverl.pool import SERVED_MODEL_NAME, Replica, read_pool, replica_async_client
+from liverl.settings import Settings, get_settings
+from rollouts.environment import Environment, Task, load_environment
+
+
+def lent_replicas(settings: Settings) -> list[Replica]:
+    """Replicas lent to rollouts and not being taken back (disabled first, then aborted)."""
+    return [r for r in read_pool(settings).lent if r.enabled]
+
+
+class RolloutWorker:
+    def __init__(self, settings: Settings, environment: Environment | None = None, seed: int | None = None):
+        self.settings, self.config = settings, settings.rollouts
+        kwargs = {"levels": self.config.levels} if self.config.environment == "coding" else {}
+        self.environment = environment or load_environment(self.config.environment, **kwargs)
+        self.tasks = self.environment.tasks("train", random.Random(seed))
+        self.scoring = ThreadPoolExecutor(self.config.scoring_threads)  # the sandbox waits in poll
+        self.counts: Counter[str] = Counter()  # groups, cut, completions, tokens
+
+    def request(self, task: Task) -> dict[str, Any]:
+        """One request for the whole group: G samples of the task at the rollout temperature."""
+        return {"model": SERVED_MODEL_NAME, "prompt": task.prompt, "n": self.config.group_size,
+                "max_tokens": self.config.max_tokens, "temperature": self.config.temperature,
+                "logprobs": 0, "return_token_ids": True, "stop": list(task.stop) or None}
+
+    async def sample(self, client: httpx.AsyncClient, task: Task) -> list[dict[str, Any]] | None:
+        """The group's choices, or None if the request did not complete (taken back, aborted)."""
+        try:
+            response = await client.post("/v1/completions", json=self.request(task))
+        except httpx.TransportError:
+            return None
+        if response.status_code != 200:
+            return None
+        answer = response.json()
+        choices = answer.get("choices") or []
+        if len(choices) != self.config.group_size or any(c.get("finish_reason") == "abort" for c in choices):
+            return None
+        for choice in choices:
+            choice.setdefault("prompt_token_ids", answer.get("prompt_token_ids"))
+        return choices
+
+    async def score(self, task: Task, choices: list[dict[str, Any]]) -> list[float]:
+        loop = asyncio.get_running_loop()
+        return list(await asyncio.gather(*(
+            loop.run_in_executor(self.scoring, self.environment.score, task, c.get("text") or "") for c in choices)))
+
+    def records(self, task: Task, replica: Replica, choices: list[dict[str, Any]],
+                scores: list[float]) -> list[tuple[str, str, Trajectory | FeedbackEvent]]:
+        """(topic, key, event) for each completion's trajectory and its score."""
+        group_id, tenant = new_id("grp"), self.config.tenant
+        out: list[tuple[str, str, Trajectory | FeedbackEvent]] = []
+        for choice, score in zip(choices, scores):
+            completion_id = new_id("roll")
+            out.append((Topics.TRAJECTORIES, completion_id, Trajectory(
+                event_id=completion_id, tenant=tenant, completion_id=completion_id, group_id=group_id,
+                group_size=len(choices), policy_version=replica.policy_version, replica=replica.name,
+                source="rollout", prompt_text=task.prompt, completion_text=choice.get("text") or "",
+                prompt_token_ids=choice.get("prompt_token_ids") or [],
+                completion_token_ids=choice.get("token_ids") or [],
+                completion_logprobs=[lp for lp in (choice.get("logprobs") or {}).get("token_logprobs") or []
+                                     if lp is not None],
+                routed_experts=choice.get("routed_experts"),
+                sampling=SamplingParams(temperature=self.config.temperature, max_tokens=self.config.max_tokens),
+                finish_reason=choice.get("finish_reason"))))
+            out.append((Topics.FEEDBACK, completion_id, FeedbackEvent(
+                event_id=new_id("score"), tenant=tenant, timestamp=utcnow(),
+                body=OutcomeBody(completion_id=completion_id, name=ROLLOUT_SCORE, value=score))))
+        return out
+
+    async def run_group(self, producer: AIOKafkaProducer, client: httpx.AsyncClient,
+                        replica: Replica) -> list[Trajectory] | None:
+        """One task's group on `replica`, published whole: its trajectories, or None if it was cut."""
+        task = next(self.tasks)
+        choices = await self.sample(client, task)
+        if choices is None:
+            self.counts["cut"] += 1
+            return None
+        scores = await self.score(task, choices)
+        records = self.records(task, replica, choices, scores)
+        # Each keyed by its completion, trajectory first: the stream joins them on one partition.
+        sent = [await producer.send(topic, encode(event), key=key.encode()) for topic, key, event in records]
+        await asyncio.gather(*sent)
+        self.counts.update(groups=1, completions=len(choices),
+                           tokens=sum(len(c.get("token_ids") or []) for c in choices))
+        return [event for _, _, event in records if isinstance(event, Trajectory)]
+
+    async def run(self, producer: AIOKafkaProducer, stop: asyncio.Event) -> None:
+        """A group at a time on each lent replica, until stopped."""
+        clients: dict[str, httpx.AsyncClient] = {}
+        running: dict[str, asyncio.Task] = {}
+        try:
+            while not stop.is_set():
+                for replica in lent_replicas(self.settings):
+                    if replica.name in running and not running[replica.name].done():
+                        continue
+                    client = clients.setdefault(replica.url, replica_async_client(
+                        replica.url, self.settings.serving.request_timeout_s))
+                    running[replica.name] = asyncio.create_task(self.run_group(producer, client, replica))
+                await asyncio.sleep(0.1)
+        finally:
+            await asyncio.gather(*running.values(), return_exceptions=True)
+            await asyncio.gather(*(c.aclose() for c in clients.values()))
+
+
+async def main(settings: Settings) -> None:
+    """The worker process: /health and /metrics, and groups on every lent replica."""
+    worker = RolloutWorker(settings)
+    app = FastAPI(title="liverl rollout worker")
+    mount_metrics(app)
+
+    @app.get("/health")
+    def health() -> dict:
+        return {"ok": True, "lent": [r.name for r in lent_replicas(settings)], **worker.counts}
+
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.ports.rollouts,
+                                           log_level="warning"))
+    producer = make_producer(settings)
+    await producer.start()
+    try:
+        await asyncio.gather(server.serve(), worker.run(producer, stop), stop_server(server, stop))
+    finally:
+        await producer.stop()
+
+
+async def stop_server(server: uvicorn.Server, stop: asyncio.Event) -> None:
+    await stop.wait()
+    server.should_exit = True
+
+
+if __name__ == "__main__":
+    asyncio.run(main(get_settings()))

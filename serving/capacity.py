@@ -1,0 +1,241 @@
+"""The capacity scheduler: idle serving replicas are lent to rollouts and taken back the
+moment production traffic returns.
+
+It reads production load from the gateway's own numbers (`/admin/load`: requests in
+flight per replica and waiting for one) every `capacity.poll_s`, per production replica.
+
+- Lend, after the load stayed below `lend_below` for `lend_after_s`, keeping at least
+  `min_production_replicas`, never while a canary is judged or waits for a replica: the
+  replica leaves production rotation (disabled), finishes what it answers, is marked
+  lent (alias `rollout`: the gateway sends no production request there), moves to the
+  learner's newest version through the verified swap (rollouts are on-policy, not
+  stale), and is enabled for the rollout worker.
+- Take back, as soon as the load passes `take_back_above` (above `lend_below`: a load
+  between the two changes nothing, so it does not flap) or a canary needs the replica:
+  disabled (the worker starts nothing new there), its in-flight rollouts aborted
+  (vLLM's `/abort_requests`: their groups are cut, never trained half-scored), swapped
+  back to stable if it serves another version, then returned to production. The
+  take-back time runs from the load sample that asked for it to that moment.
+
+Every lend and take-back, with the load that caused it, is appended to
+`run/capacity.jsonl` (`liverl status` shows the latest), counted in
+`liverl_capacity_events_total`, and published for ClickHouse's `capacity_events`.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import httpx
+import uvicorn
+from fastapi import FastAPI
+from prometheus_client import Counter, Gauge
+
+from liverl.contracts import CapacityEvent, Topics
+from liverl.kafka import encode, produce_sync
+from liverl.keys import admin_headers
+from liverl.observability import log, mount_metrics, setup_logging
+from liverl.pool import ROLLOUT, Pool, read_pool, replica_client, set_replica
+from liverl.settings import CapacityConfig, Settings, get_settings
+from policies.registry import PolicyVersion, Registry
+from serving.gateway import GatewayLoad
+from serving.swap import drain_in_flight, in_flight, replace_replica
+
+EVENTS = Counter("liverl_capacity_events_total", "Replicas lent to and taken back from rollouts", ["action"])
+LENT = Gauge("liverl_capacity_lent_replicas", "Replicas lent to rollouts now")
+logger = setup_logging("capacity")
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Literal["lend", "take_back"]
+    replica: str
+    load: float  # production requests in flight and waiting, per production replica
+    why: str
+
+
+def production_load(load: GatewayLoad, pool: Pool) -> float:
+    """Requests in flight on production replicas, plus those waiting, per production replica."""
+    production = [r for r in pool.general if r.enabled]
+    busy = sum(load.in_flight.get(r.name, 0) for r in pool.general) + load.waiting
+    return busy / max(len(production), 1)
+
+
+class Hysteresis:
+    """When to lend and when to take back, from successive load samples."""
+
+    def __init__(self, config: CapacityConfig):
+        self.config = config
+        self.quiet_since: float | None = None
+
+    def decide(self, now: float, load: GatewayLoad, pool: Pool, canary_wanted: bool) -> Decision | None:
+        busy = production_load(load, pool)
+        if pool.lent and (busy > self.config.take_back_above or canary_wanted):
+            self.quiet_since = None
+            why = (f"load {busy:.2f} per production replica > {self.config.take_back_above}"
+                   if busy > self.config.take_back_above else "a canary needs the replica")
+            return Decision("take_back", pool.lent[0].name, busy, why)
+        if busy > self.config.lend_below:
+            self.quiet_since = None
+            return None
+        self.quiet_since = now if self.quiet_since is None else self.quiet_since
+        production = [r for r in pool.general if r.enabled]
+        spare = [r for r in production if r.policy_version == pool.aliases.get("stable")]
+        if (now - self.quiet_since < self.config.lend_after_s or canary_wanted or "canary" in pool.aliases
+                or len(production) - 1 < self.config.min_production_replicas or not spare):
+            return None
+        self.quiet_since = now  # the next lend waits for a quiet period of its own
+        quietest = min(spare, key=lambda r: load.in_flight.get(r.name, 0))
+        return Decision("lend", quietest.name, busy,
+                        f"load {busy:.2f} per production replica <= {self.config.lend_below} "
+                        f"for {self.config.lend_after_s:.0f} s")
+
+
+class Scheduler:
+    def __init__(self, settings: Settings):
+        self.settings, self.config = settings, settings.capacity
+        self.registry = Registry(settings.policies_dir)
+        self.rules = Hysteresis(self.config)
+        self.refreshed: dict[str, float] = {}
+
+    def gateway_load(self) -> GatewayLoad:
+        response = httpx.get(self.settings.url(self.settings.ports.gateway) + "/admin/load",
+                             headers=admin_headers(self.settings), timeout=5)
+        return GatewayLoad.model_validate(response.raise_for_status().json())
+
+    def canary_wanted(self, pool: Pool) -> bool:
+        """The promotion controller has a candidate for the live guard, which needs two
+        production replicas: production wins over rollouts."""
+        promotion = self.settings.promotion
+        if not (promotion.auto_promote and promotion.canary_guard) or len(pool.general) >= 2:
+            return False
+        stable = self.registry.stable()
+        return any((c.metrics.get("gate") or {}).get("passed") and (stable is None or c.seq > stable.seq)
+                   for c in self.registry.in_state("candidate"))
+
+    def rollout_version(self) -> PolicyVersion:
+        """The learner's newest version (its chain's head), which rollouts sample from."""
+        return self.registry.head() or self.registry.stable()
+
+    def lend(self, decision: Decision, asked_at: float) -> CapacityEvent:
+        replica = read_pool(self.settings).get(decision.replica)
+        set_replica(self.settings, replica.name, enabled=False)
+        drain_in_flight(replica.url, self.settings.serving.swap_drain_s)
+        set_replica(self.settings, replica.name, alias=ROLLOUT)
+        version = self.rollout_version()
+        error = self.move(replica.name, version)
+        set_replica(self.settings, replica.name, enabled=True)
+        self.refreshed[replica.name] = time.time()
+        return self.event("lend", decision, read_pool(self.settings).get(replica.name).policy_version,
+                          time.time() - asked_at, error)
+
+    def take_back(self, decision: Decision, asked_at: float) -> CapacityEvent:
+        replica = set_replica(self.settings, decision.replica, enabled=False)
+        aborted = abort_rollouts(replica.url)
+        stable = self.registry.stable()
+        error = None if replica.policy_version == stable.version else self.move(replica.name, stable)
+        if error is None:
+            set_replica(self.settings, replica.name, alias=None, enabled=True)
+        seconds = time.time() - asked_at
+        return self.event("take_back", decision, stable.version, seconds, error, aborted)
+
+    def move(self, name: str, version: PolicyVersion) -> str | None:
+        """Swap a replica out of production to `version`, verified; the error if it failed."""
+        if read_pool(self.settings).get(name).policy_version == version.version:
+            return None
+        report = replace_replica(self.settings, name, version.version, Path(version.model_dir))
+        return None if report.ok else report.error
+
+    def refresh(self) -> None:
+        """Lent replicas follow the learner's newest version every `refresh_s`."""
+        newest = self.rollout_version()
+        for replica in read_pool(self.settings).lent:
+            if (replica.policy_version != newest.version
+                    and time.time() - self.refreshed.get(replica.name, 0) >= self.config.refresh_s):
+                self.move(replica.name, newest)
+                set_replica(self.settings, replica.name, enabled=True)
+                self.refreshed[replica.name] = time.time()
+
+    def event(self, action: str, decision: Decision, version: str, seconds: float, error: str | None,
+              aborted: int | None = None) -> CapacityEvent:
+        event = CapacityEvent(action=action, replica=decision.replica, policy_version=version,
+                              load=decision.load, why=decision.why, seconds=seconds, error=error,
+                              aborted_requests=aborted)
+        EVENTS.labels(action).inc()
+        LENT.set(len(read_pool(self.settings).lent))
+        with open(events_file(self.settings), "a") as out:
+            out.write(event.model_dump_json() + "\n")
+        try:
+            produce_sync(self.settings, Topics.CAPACITY, encode(event))
+        except Exception as error:  # the log file and the metric have it; analytics may be down
+            log(logger, "could not publish", error=repr(error))
+        log(logger, action, replica=decision.replica, version=version, load=round(decision.load, 2),
+            seconds=round(seconds, 3), why=decision.why, error=error)
+        return event
+
+    def step(self) -> CapacityEvent | None:
+        asked_at = time.time()
+        pool = read_pool(self.settings)
+        decision = self.rules.decide(time.monotonic(), self.gateway_load(), pool, self.canary_wanted(pool))
+        if decision is None:
+            self.refresh()
+            return None
+        return (self.lend if decision.action == "lend" else self.take_back)(decision, asked_at)
+
+    def run(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            try:
+                self.step()
+            except httpx.HTTPError as error:  # the gateway restarting: lend nothing meanwhile
+                log(logger, "no load reading", error=repr(error))
+            stop.wait(self.config.poll_s)
+
+
+def abort_rollouts(url: str) -> int | None:
+    """Abort every request a lent replica runs (only rollouts reach it); how many it had."""
+    try:
+        running = int(in_flight(url))
+        with replica_client(url, timeout=5) as http:
+            http.post("/abort_requests", json={}).raise_for_status()
+        return running
+    except httpx.HTTPError:
+        return None
+
+
+def events_file(settings: Settings) -> Path:
+    return settings.run_dir / "capacity.jsonl"
+
+
+def read_events(settings: Settings) -> list[CapacityEvent]:
+    path = events_file(settings)
+    return [CapacityEvent.model_validate_json(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def create_app(scheduler: Scheduler) -> FastAPI:
+    app = FastAPI(title="liverl capacity scheduler")
+    mount_metrics(app)
+
+    @app.get("/health")
+    def health() -> dict:
+        pool = read_pool(scheduler.settings)
+        return {"ok": True, "lent": [r.name for r in pool.lent],
+                "production": [r.name for r in pool.general if r.enabled],
+                "last_event": (read_events(scheduler.settings)[-1:] or [None])[0]}
+
+    return app
+
+
+if __name__ == "__main__":
+    settings = get_settings()
+    scheduler = Scheduler(settings)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    server = uvicorn.Server(uvicorn.Config(create_app(scheduler), host=settings.host,
+                                           port=settings.ports.capacity, log_level="warning"))
+    threading.Thread(target=server.run, daemon=True).start()
+    scheduler.run(stop)

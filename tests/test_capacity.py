@@ -1,0 +1,112 @@
+"""The capacity scheduler: when an idle replica is lent to rollouts, when it comes back, and
+(on the shared stack) that production takes it back from running rollouts without a
+failed request."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+from helpers import serving_load, wait_for
+
+from liverl.kafka import make_producer
+from liverl.pool import ROLLOUT, Pool, Replica, read_pool
+from liverl.settings import CapacityConfig, RolloutsConfig
+from rollouts.worker import RolloutWorker
+from serving.capacity import Hysteresis, Scheduler, read_events
+from serving.gateway import GatewayLoad
+
+
+def pool(lent: int = 0, replicas: int = 2, canary: bool = False) -> Pool:
+    return Pool(replicas=[Replica(name=f"r{i}", url="http://x", policy_version="v3", model_dir="/m",
+                                  alias=ROLLOUT if i < lent else None) for i in range(replicas)],
+                aliases={"stable": "v3", **({"canary": "v4"} if canary else {})})
+
+
+def load(in_flight: dict[str, int] | None = None, waiting: int = 0) -> GatewayLoad:
+    return GatewayLoad(in_flight=in_flight or {}, waiting=waiting, requests_per_s=0.0, window_s=5.0)
+
+
+CONFIG = CapacityConfig(lend_below=0.5, lend_after_s=10, take_back_above=1.0, min_production_replicas=1)
+
+
+def test_a_replica_is_lent_only_after_the_load_stayed_low_for_a_while():
+    rules = Hysteresis(CONFIG)
+    assert rules.decide(0, load(), pool(), False) is None
+    assert rules.decide(5, load(), pool(), False) is None
+    assert rules.decide(6, load({"r1": 3}), pool(), False) is None  # a busy moment restarts the wait
+    assert rules.decide(15, load(), pool(), False) is None
+    assert rules.decide(24, load(), pool(), False) is None
+    lend = rules.decide(25.5, load({"r1": 1}), pool(), False)
+    assert lend.action == "lend" and lend.replica == "r0"  # the quieter one
+    assert rules.decide(26, load(), pool(replicas=3), False) is None  # the next lend waits a quiet period
+
+
+def test_production_keeps_its_minimum_and_a_canary_blocks_lending():
+    rules = Hysteresis(CONFIG.model_copy(update={"min_production_replicas": 2}))
+    assert [rules.decide(t, load(), pool(), False) for t in (0, 20)] == [None, None]
+    rules = Hysteresis(CONFIG)
+    assert [rules.decide(t, load(), pool(canary=True), False) for t in (0, 20)] == [None, None]
+    assert [rules.decide(t, load(), pool(), True) for t in (0, 20)] == [None, None]
+    # One lent of two: the last production replica is never lent.
+    assert [rules.decide(t, load(), pool(lent=1), False) for t in (0, 20, 40)] == [None, None, None]
+
+
+def test_take_back_at_once_above_the_upper_threshold_and_not_between_the_two():
+    rules = Hysteresis(CONFIG)
+    lent = pool(lent=1)
+    assert rules.decide(0, load({"r1": 1}), lent, False) is None  # 1.0: between the two, nothing changes
+    back = rules.decide(0.1, load({"r1": 1}, waiting=1), lent, False)
+    assert back.action == "take_back" and back.replica == "r0" and back.load == 2.0
+    # Production wins over rollouts for a canary too, at no load at all.
+    assert rules.decide(0.2, load(), lent, True).action == "take_back"
+
+
+def test_hysteresis_needs_the_upper_threshold_above_the_lower():
+    with pytest.raises(ValueError, match="TAKE_BACK_ABOVE"):
+        CapacityConfig(lend_below=2.0, take_back_above=1.0)
+
+
+def test_an_idle_replica_is_lent_to_rollouts_and_a_burst_takes_it_back_without_a_failed_request(
+        settings, paused_learner, dev_keys):
+    fast = settings.capacity.model_copy(update={"enabled": True, "lend_after_s": 1.0, "poll_s": 0.05})
+    rollouts = RolloutsConfig(group_size=4, levels=[1], max_tokens=24, scoring_threads=2)
+    configured = settings.model_copy(update={"capacity": fast, "rollouts": rollouts})
+    scheduler = Scheduler(configured)
+    lend = wait_for(scheduler.step, timeout=30, interval=0.05)
+    assert lend.action == "lend" and read_pool(settings).get(lend.replica).alias == ROLLOUT
+    assert [r.name for r in read_pool(settings).general] != [lend.replica]
+
+    # Rollouts run on the lent replica while production arrives.
+    worker = RolloutWorker(configured, seed=1)
+    stop = asyncio.Event()
+    loop = asyncio.new_event_loop()
+
+    async def rollouts() -> None:
+        producer = make_producer(settings)
+        await producer.start()
+        try:
+            await worker.run(producer, stop)
+        finally:
+            await producer.stop()
+    thread = threading.Thread(target=loop.run_until_complete, args=(rollouts(),))
+    thread.start()
+    try:
+        wait_for(lambda: worker.counts["groups"] >= 1, timeout=120)
+        with serving_load(settings, dev_keys["tenant_key"], clients=4) as statuses:
+            back = wait_for(scheduler.step, timeout=30, interval=0.05)
+            assert back.action == "take_back" and back.replica == lend.replica and back.error is None
+            replica = read_pool(settings).get(lend.replica)
+            assert replica.alias is None and replica.enabled
+            # Production reaches the replica it got back.
+            wait_for(lambda: scheduler.gateway_load().in_flight.get(lend.replica, 0) > 0, timeout=30, interval=0.02)
+        assert set(statuses) == {200}
+    finally:
+        loop.call_soon_threadsafe(stop.set)
+        thread.join(timeout=60)
+    assert back.seconds < 5 and back.load > fast.take_back_above
+    events = read_events(settings)
+    assert [e.action for e in events[-2:]] == ["lend", "take_back"]
+    assert time.time() - events[-1].timestamp.timestamp() < 120
