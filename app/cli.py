@@ -82,8 +82,11 @@ def status(data_dir: Optional[Path] = DataDir, as_json: bool = typer.Option(Fals
         console.print("liverl is not running")
         raise typer.Exit(1)
     # Only replicas serve a policy version; the other components have none to show.
-    print_rows([{k: c.get(k) for k in ("name", "pid", "url", "healthy", "policy_version")}
+    print_rows([{k: c.get(k) for k in ("name", "pid", "url", "healthy", "policy_version", "role")}
                 for c in report["components"]], f"cluster {report['cluster_id']}")
+    if report["capacity_events"]:
+        print_rows([{k: e[k] for k in ("timestamp", "action", "replica", "policy_version", "load", "seconds", "why")}
+                    for e in report["capacity_events"]], "replicas lent to rollouts and taken back (latest)")
     console.print(f"development keys: {report['keys_file']}")
 
 

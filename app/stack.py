@@ -32,11 +32,12 @@ from liverl.manifest import (
     read_manifest,
     settings_file,
 )
-from liverl.pool import Pool, read_pool, write_pool
+from liverl.pool import ROLLOUT, Pool, read_pool, write_pool
 from liverl.process import alive, spawn, stop_pid, wait_until, yield_cpu
 from liverl.settings import EmbeddedBroker, Settings
 from policies.importer import import_version
 from policies.registry import Registry
+from serving.capacity import read_events
 from serving.replicas import (
     ReplicaError,
     launch_replica,
@@ -295,9 +296,12 @@ def status(settings: Settings) -> dict:
         rows.append(dict(c.model_dump(), healthy=component_healthy(c.pid, c.url, c.name)))
     for r in read_pool(settings).replicas:
         rows.append(dict(name=r.name, pid=r.pid, url=r.url, log=None, policy_version=r.policy_version,
+                         role="lent to rollouts" if r.alias == ROLLOUT else (f"alias {r.alias}" if r.alias
+                                                                             else "production"),
                          healthy=bool(r.pid) and alive(r.pid) and replica_healthy(r.url) and r.enabled))
     return {"running": True, "cluster_id": manifest.cluster_id,
-            "keys_file": str(settings.data_dir / "dev-keys.json"), "components": rows}
+            "keys_file": str(settings.data_dir / "dev-keys.json"), "components": rows,
+            "capacity_events": [e.model_dump(mode="json") for e in read_events(settings)[-5:]]}
 
 
 def component_healthy(pid: int | None, url: str | None, name: str) -> bool:
