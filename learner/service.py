@@ -19,14 +19,12 @@ from __future__ import annotations
 
 import hashlib
 import shutil
-import signal
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import uvicorn
 from fastapi import Depends, FastAPI, Query
 from kafka import (
     ConsumerRebalanceListener,
@@ -44,6 +42,7 @@ from liverl.faults import crash_point
 from liverl.kafka import KAFKA_PYTHON_API_VERSION, encode, produce_sync
 from liverl.keys import KeyRecord, KeyStore, require_admin
 from liverl.observability import log, mount_metrics, setup_logging
+from liverl.process import serve_beside
 from liverl.settings import Settings, get_settings
 from policies.divergence import kl_between
 from policies.offline_eval import offline_check, snis
@@ -410,9 +409,4 @@ def create_app(settings: Settings) -> tuple[FastAPI, Learner]:
 if __name__ == "__main__":
     settings = get_settings()
     app, learner = create_app(settings)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.ports.learner,
-                                           log_level="warning"))
-    threading.Thread(target=server.run, daemon=True).start()
-    learner.run(stop)
+    serve_beside(app, settings.host, settings.ports.learner, learner.run)

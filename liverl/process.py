@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +20,16 @@ from liverl.settings import REPO_ROOT
 def serve(app: FastAPI, host: str, port: int) -> None:
     # One worker: every component is a single process; scale-out is more processes.
     uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+
+
+def serve_beside(app: FastAPI, host: str, port: int, work: Callable[[threading.Event], None]) -> None:
+    """A component whose work is a loop: its HTTP app (health, admin, metrics) on a thread
+    beside it, and the loop until SIGTERM sets its stop event."""
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    threading.Thread(target=server.run, daemon=True).start()
+    work(stop)
 
 
 def spawn(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:

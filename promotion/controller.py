@@ -23,7 +23,6 @@ its metrics) and judges it again from ClickHouse's figures, not from memory.
 
 from __future__ import annotations
 
-import signal
 import threading
 import time
 from collections.abc import Callable
@@ -32,7 +31,6 @@ from pathlib import Path
 from typing import Literal, TypeVar
 
 import httpx
-import uvicorn
 from fastapi import FastAPI, HTTPException, Query
 from pydantic import BaseModel, Field, field_validator
 
@@ -41,6 +39,7 @@ from liverl.contracts import AliasName, VersionName
 from liverl.keys import KeyRecord, KeyStore, admin_headers
 from liverl.observability import log, mount_metrics, setup_logging
 from liverl.pool import read_pool
+from liverl.process import serve_beside
 from liverl.settings import Settings, get_settings
 from policies.importer import import_version
 from policies.registry import REJECTED, AliasMove, Pin, PolicyVersion, Registry
@@ -589,9 +588,4 @@ def create_app(controller: Controller) -> FastAPI:
 if __name__ == "__main__":
     settings = get_settings()
     controller = Controller(settings)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    server = uvicorn.Server(uvicorn.Config(create_app(controller), host=settings.host,
-                                           port=settings.ports.controller, log_level="warning"))
-    threading.Thread(target=server.run, daemon=True).start()
-    controller.run(stop)
+    serve_beside(create_app(controller), settings.host, settings.ports.controller, controller.run)

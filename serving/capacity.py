@@ -24,7 +24,6 @@ Every lend and take-back, with the load that caused it, is appended to
 
 from __future__ import annotations
 
-import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -32,7 +31,6 @@ from pathlib import Path
 from typing import Literal
 
 import httpx
-import uvicorn
 from fastapi import FastAPI
 from prometheus_client import Counter, Gauge
 
@@ -41,6 +39,7 @@ from liverl.kafka import encode, produce_sync
 from liverl.keys import admin_headers
 from liverl.observability import log, mount_metrics, setup_logging
 from liverl.pool import ROLLOUT, Pool, read_pool, replica_client, set_replica
+from liverl.process import serve_beside
 from liverl.settings import CapacityConfig, Settings, get_settings
 from policies.registry import PolicyVersion, Registry
 from serving.gateway import GatewayLoad
@@ -233,9 +232,4 @@ def create_app(scheduler: Scheduler) -> FastAPI:
 if __name__ == "__main__":
     settings = get_settings()
     scheduler = Scheduler(settings)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    server = uvicorn.Server(uvicorn.Config(create_app(scheduler), host=settings.host,
-                                           port=settings.ports.capacity, log_level="warning"))
-    threading.Thread(target=server.run, daemon=True).start()
-    scheduler.run(stop)
+    serve_beside(create_app(scheduler), settings.host, settings.ports.capacity, scheduler.run)
