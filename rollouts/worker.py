@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import random
 import signal
-from collections import Counter
+from collections import Counter as Tally
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -23,6 +23,7 @@ import httpx
 import uvicorn
 from aiokafka import AIOKafkaProducer
 from fastapi import FastAPI
+from prometheus_client import Counter
 
 from liverl.contracts import (
     ROLLOUT_SCORE,
@@ -40,6 +41,10 @@ from liverl.pool import SERVED_MODEL_NAME, Replica, read_pool, replica_async_cli
 from liverl.settings import Settings, get_settings
 from rollouts.environment import Environment, Task, load_environment
 
+GROUPS = Counter("liverl_rollout_groups_total", "Rollout groups: published whole, or cut (never published)",
+                 ["outcome"])
+COMPLETIONS = Counter("liverl_rollout_completions_total", "Rollout completions published")
+
 
 def lent_replicas(settings: Settings) -> list[Replica]:
     """Replicas lent to rollouts and not being taken back (disabled first, then aborted)."""
@@ -53,7 +58,7 @@ class RolloutWorker:
         self.environment = environment or load_environment(self.config.environment, **kwargs)
         self.tasks = self.environment.tasks("train", random.Random(seed))
         self.scoring = ThreadPoolExecutor(self.config.scoring_threads)  # the sandbox waits in poll
-        self.counts: Counter[str] = Counter()  # groups, cut, completions, tokens
+        self.counts: Tally[str] = Tally()  # groups, cut, completions, tokens
 
     def request(self, task: Task) -> dict[str, Any]:
         """One request for the whole group: G samples of the task at the rollout temperature."""
@@ -112,6 +117,7 @@ class RolloutWorker:
         choices = await self.sample(client, task)
         if choices is None:
             self.counts["cut"] += 1
+            GROUPS.labels("cut").inc()
             return None
         scores = await self.score(task, choices)
         records = self.records(task, replica, choices, scores)
@@ -120,6 +126,8 @@ class RolloutWorker:
         await asyncio.gather(*sent)
         self.counts.update(groups=1, completions=len(choices),
                            tokens=sum(len(c.get("token_ids") or []) for c in choices))
+        GROUPS.labels("published").inc()
+        COMPLETIONS.inc(len(choices))
         return [event for _, _, event in records if isinstance(event, Trajectory)]
 
     async def run(self, producer: AIOKafkaProducer, stop: asyncio.Event) -> None:
