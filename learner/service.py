@@ -64,6 +64,23 @@ def held_out(sample: RewardedSample, fraction: float) -> bool:
     return int(hashlib.sha256(key.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF < fraction
 
 
+def choose_groups(groups: list[OpenGroup], production: int, share: float | None) -> list[OpenGroup]:
+    """The complete groups a version takes beside `production` samples: all of them, or,
+    with a `share`, whole groups in arrival order while rollouts stay at most that share of
+    the version (first in, first out, so no group is passed over for ever; when no
+    production sample waits, rollouts train alone)."""
+    groups = sorted(groups, key=lambda g: g.opened)
+    if share is None or production == 0:
+        return groups
+    room, chosen = share / (1 - share) * production, []
+    for group in groups:
+        if group.size > room:
+            break
+        chosen.append(group)
+        room -= group.size
+    return chosen
+
+
 @dataclass
 class OpenGroup:
     """The members of a sized group seen so far, and where the first sits in each partition
@@ -74,6 +91,10 @@ class OpenGroup:
     opened: float = field(default_factory=time.time)
     members: dict[str, RewardedSample] = field(default_factory=dict)
     first_offsets: dict[TopicPartition, int] = field(default_factory=dict)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.members) == self.size
 
 
 class SeekToRecorded(ConsumerRebalanceListener):
@@ -199,15 +220,15 @@ class Learner:
             return self.drop("stale")
         if self.registry.trained([sample.sample_id]):
             return self.drop("already_trained")  # a revision after its sample was learned
-        if sample.trajectory.group_size is not None and sample.sample_id not in self.pending:
+        if sample.trajectory.group_size is not None:
             return self.gather(sample, raw, position)
         previous = self.pending.get(sample.sample_id)
         if previous is None or sample.revision > previous.revision:
             self.pending[sample.sample_id] = sample
 
     def gather(self, sample: RewardedSample, raw: bytes, position: tuple[TopicPartition, int]) -> None:
-        """Hold a sized group's members until all have arrived, then pend them together, so
-        a group is trained whole and in one version (never half-scored)."""
+        """Hold a sized group's members until all have arrived and a version takes the group
+        whole (`choose_groups`): a group is trained in one version, never half-scored."""
         trajectory = sample.trajectory
         key = f"{sample.tenant}:{trajectory.group_id}"
         group = self.open_groups.setdefault(key, OpenGroup(trajectory.group_size, trajectory.policy_version))
@@ -221,15 +242,15 @@ class Learner:
             group.members[sample.sample_id] = sample
         tp, offset = position
         group.first_offsets[tp] = min(offset, group.first_offsets.get(tp, offset))
-        if len(group.members) == group.size:
-            del self.open_groups[key]
-            self.pending.update(group.members)
+
+    def complete_groups(self) -> dict[str, OpenGroup]:
+        return {key: g for key, g in self.open_groups.items() if g.complete}
 
     def expire_groups(self) -> None:
         """Give up groups that stayed incomplete (a rollout cut short, a worker that died)."""
         now = time.time()
         for key, group in list(self.open_groups.items()):
-            if now - group.opened > self.config.group_timeout_s:
+            if not group.complete and now - group.opened > self.config.group_timeout_s:
                 del self.open_groups[key]
                 for _ in group.members:
                     self.drop("incomplete_group")
@@ -244,7 +265,7 @@ class Learner:
         return {tp: min(offset, held.get(tp, offset)) for tp, offset in self.next_offsets.items()}
 
     def due(self) -> bool:
-        n = len(self.pending)
+        n = len(self.pending) + sum(g.size for g in self.complete_groups().values())
         return n >= self.config.batch_samples or (
             n >= self.config.min_samples and time.time() - self.window_started >= self.config.max_interval_s)
 
@@ -263,7 +284,12 @@ class Learner:
         )
 
     def learn(self, consumer: KafkaConsumer) -> PolicyVersion:
-        batch = list(self.pending.values())
+        ready = self.complete_groups()
+        chosen = choose_groups(list(ready.values()), len(self.pending), self.config.rollout_share)
+        taken = {id(g) for g in chosen}
+        for key in [k for k, g in ready.items() if id(g) in taken]:
+            del self.open_groups[key]  # the rest wait for the next version, whole
+        batch = list(self.pending.values()) + [s for g in chosen for s in g.members.values()]
         train = [s for s in batch if not held_out(s, self.config.holdout_fraction)]
         self.holdout = (self.holdout + [s for s in batch if held_out(s, self.config.holdout_fraction)])[-512:]
         parent_weights = self.trainer.snapshot()
@@ -356,7 +382,7 @@ class Learner:
                         self.next_offsets[tp] = record.offset + 1
                 self.expire_groups()
                 PENDING.set(len(self.pending))
-                if self.due() or (self.flush_requested.is_set() and self.pending):
+                if self.due() or (self.flush_requested.is_set() and (self.pending or self.complete_groups())):
                     self.rebase_if_too_far_ahead()
                     self.learn(consumer)
                 self.flush_requested.clear()

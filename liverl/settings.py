@@ -267,6 +267,9 @@ class LearnerConfig(Config):
     max_interval_s: float = Field(3 * 3600.0, gt=0, description="...or once this long passed with any.")
     min_samples: int = Field(8, ge=1, description="Fewest samples worth a version when time is up.")
     max_version_lag: int = Field(4, ge=0, description="Drop samples more versions behind than this.")
+    rollout_share: Fraction | None = Field(None, description="Most share of a version's samples from rollout "
+                                           "groups while production samples wait too (whole groups, oldest first; "
+                                           "the rest wait); None: every complete group. Alone, rollouts train alone.")
     group_timeout_s: float = Field(900.0, gt=0, description="A sized group (rollouts) still incomplete after "
                                    "this long is given up, its members counted as dropped, never half-trained.")
     max_lead_versions: int | None = Field(

@@ -1,0 +1,27 @@
+"""Which complete rollout groups a version takes beside production samples (the mix)."""
+
+from __future__ import annotations
+
+from learner.service import OpenGroup, choose_groups
+
+
+def groups(*sizes: int) -> list[OpenGroup]:
+    made = [OpenGroup(size=n, policy_version="v1", opened=float(i)) for i, n in enumerate(sizes)]
+    return list(reversed(made))  # arrival order is by `opened`, not list order
+
+
+def test_without_a_share_every_complete_group_is_taken_oldest_first():
+    taken = choose_groups(groups(4, 4, 8), production=100, share=None)
+    assert [g.opened for g in taken] == [0.0, 1.0, 2.0]
+
+
+def test_a_share_caps_rollouts_with_whole_groups_in_arrival_order():
+    # 24 production samples at a quarter rollouts: room for 8 rollout samples.
+    taken = choose_groups(groups(4, 8, 4), production=24, share=0.25)
+    assert [(g.opened, g.size) for g in taken] == [(0.0, 4)]  # the 8 does not fit whole, and nothing jumps it
+    assert [g.size for g in choose_groups(groups(4, 4, 8), production=24, share=0.25)] == [4, 4]
+    assert choose_groups(groups(16), production=24, share=0.25) == []
+
+
+def test_rollouts_train_alone_when_no_production_sample_waits():
+    assert len(choose_groups(groups(4, 4), production=0, share=0.1)) == 2
