@@ -163,8 +163,8 @@ class Learner:
         lead, serving = self.config.max_lead_versions, self.serving
         if lead is None or not serving:
             return
-        version = self.current
-        for _ in range(lead):
+        version = self.current  # the next version will be one further than this
+        for _ in range(lead - 1):
             if version.version in serving or version.parent is None:
                 return
             version = self.registry.get(version.parent)

@@ -305,7 +305,7 @@ def _score(child: subprocess.Popen, answers: _Answers, cases: Sequence[Case], li
     for index, case in enumerate(cases):
         line = answers.line(deadline)
         if line == _EOF:
-            return Verdict(passed, len(cases), "timeout" if _killed_by_cpu_limit(child) else "crashed")
+            return Verdict(passed, len(cases), "timeout" if _killed_by_cpu_limit(child, limits) else "crashed")
         if line in (_TIMEOUT, _TOO_LONG):
             return Verdict(passed, len(cases), "answer too large" if line == _TOO_LONG else "timeout")
         answer = _answer(line, index)
@@ -332,13 +332,18 @@ def _answer(line: bytes, index: int) -> dict | None:
     return None
 
 
-def _killed_by_cpu_limit(child: subprocess.Popen) -> bool:
-    # Only the kernel can kill the namespace's init (itself immune to signals from inside),
-    # and with our limits it does so only for CPU time; unshare passes the signal on.
-    try:
-        return child.wait(timeout=5) in (-signal.SIGKILL, -signal.SIGXCPU)
-    except subprocess.TimeoutExpired:
-        return False
+def _killed_by_cpu_limit(child: subprocess.Popen, limits: SandboxLimits) -> bool:
+    """Whether the completion used up its CPU time. unshare does not say how its init died
+    (util-linux's exits 1 when a signal ended it), but reaping unshare with wait4 gives the
+    CPU time of unshare and of every process it reaped: the completion's."""
+    deadline = time.monotonic() + 5
+    while (reaped := os.wait4(child.pid, os.WNOHANG))[0] == 0:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    _, status, usage = reaped
+    child.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait again
+    return usage.ru_utime + usage.ru_stime >= limits.cpu_s - 0.05
 
 
 def _kill(child: subprocess.Popen) -> None:
