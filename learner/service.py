@@ -21,6 +21,7 @@ import hashlib
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -62,6 +63,19 @@ def held_out(sample: RewardedSample, fraction: float) -> bool:
     group is kept out or trained whole (its advantages are relative to its members)."""
     key = f"{sample.tenant}:{sample.trajectory.group_id}" if sample.trajectory.group_id else sample.sample_id
     return int(hashlib.sha256(key.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF < fraction
+
+
+def unserved_chain(version: PolicyVersion, serving: set[str], get: Callable[[str], PolicyVersion],
+                   most: int) -> int:
+    """How many versions, from `version` back along its parents, no replica serves (the
+    chain's lead over what users get), counting at most `most`."""
+    count = 0
+    while count < most and version.version not in serving:
+        count += 1
+        if version.parent is None:
+            break
+        version = get(version.parent)
+    return count
 
 
 def choose_groups(groups: list[OpenGroup], production: int, share: float | None) -> list[OpenGroup]:
@@ -163,13 +177,8 @@ class Learner:
         lead, serving = self.config.max_lead_versions, self.serving
         if lead is None or not serving:
             return
-        version = self.current  # the next version will be one further than this
-        for _ in range(lead - 1):
-            if version.version in serving or version.parent is None:
-                return
-            version = self.registry.get(version.parent)
-        if version.version in serving:
-            return
+        if unserved_chain(self.current, serving, self.registry.get, lead) < lead:
+            return  # the next version is at most `lead` ahead
         newest = max((self.registry.get(v) for v in serving), key=lambda v: v.seq)
         self.registry.request_rewind(newest.version, "learner",
                                      f"{self.current.version} is {lead}+ versions ahead of what serves")

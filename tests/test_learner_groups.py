@@ -1,8 +1,12 @@
-"""Which complete rollout groups a version takes beside production samples (the mix)."""
+"""What the learner decides from its bookkeeping alone: which complete rollout groups a
+version takes beside production samples (the mix), and how far its chain runs ahead of
+what serves (`learner.max_lead_versions`)."""
 
 from __future__ import annotations
 
-from learner.service import OpenGroup, choose_groups
+from types import SimpleNamespace
+
+from learner.service import OpenGroup, choose_groups, unserved_chain
 
 
 def groups(*sizes: int) -> list[OpenGroup]:
@@ -25,3 +29,13 @@ def test_a_share_caps_rollouts_with_whole_groups_in_arrival_order():
 
 def test_rollouts_train_alone_when_no_production_sample_waits():
     assert len(choose_groups(groups(4, 4), production=0, share=0.1)) == 2
+
+
+def test_the_chain_ahead_of_what_serves_is_counted_back_to_the_first_served_version():
+    # v1 stable <- v2 <- v3 <- v4, the learner at v4; v3 also in canary in the second case.
+    chain = {f"v{i}": SimpleNamespace(version=f"v{i}", parent=f"v{i - 1}" if i > 1 else None) for i in range(1, 5)}
+    assert unserved_chain(chain["v4"], {"v1"}, chain.get, most=10) == 3
+    assert unserved_chain(chain["v4"], {"v1", "v3"}, chain.get, most=10) == 1
+    assert unserved_chain(chain["v1"], {"v1"}, chain.get, most=10) == 0
+    assert unserved_chain(chain["v4"], {"v1"}, chain.get, most=2) == 2  # stops counting at the bound
+    assert unserved_chain(chain["v4"], set(), chain.get, most=10) == 4  # nothing serves: all of it
