@@ -265,8 +265,9 @@ class Learner:
                     self.drop("incomplete_group")
 
     def safe_offsets(self) -> dict[TopicPartition, int]:
-        """Consumed offsets, held back to the first member of any group still incomplete: a
-        restart reads those members again (trained ones are skipped as already trained)."""
+        """Consumed offsets, held back to the first member of any group not yet trained
+        (incomplete, or complete and waiting for a version): a restart reads those members
+        again (samples trained meanwhile are skipped as already trained)."""
         held = {}
         for group in self.open_groups.values():
             for tp, offset in group.first_offsets.items():
