@@ -63,7 +63,11 @@ def stack(settings: Settings):
 
     up(settings, say=lambda _: None, progress=False)
     yield status(settings)
-    down(settings, say=lambda _: None)
+    try:
+        down(settings, say=lambda _: None)
+    finally:  # a drain that times out must not leave the stack holding the test ports
+        if status(settings)["running"]:
+            down(settings, say=lambda _: None, force=True)
 
 
 @pytest.fixture(scope="session")
