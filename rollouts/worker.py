@@ -36,14 +36,15 @@ from liverl.contracts import (
     utcnow,
 )
 from liverl.kafka import encode, make_producer
-from liverl.observability import mount_metrics
+from liverl.observability import log, mount_metrics, setup_logging
 from liverl.pool import SERVED_MODEL_NAME, Replica, read_pool, replica_async_client
 from liverl.settings import Settings, get_settings
 from rollouts.environment import Environment, Task, load_environment
 
-GROUPS = Counter("liverl_rollout_groups_total", "Rollout groups: published whole, or cut (never published)",
-                 ["outcome"])
+GROUPS = Counter("liverl_rollout_groups_total", "Rollout groups: published whole, cut (never published) "
+                 "or failed", ["outcome"])
 COMPLETIONS = Counter("liverl_rollout_completions_total", "Rollout completions published")
+logger = setup_logging("rollouts")
 
 
 def lent_replicas(settings: Settings) -> list[Replica]:
@@ -137,8 +138,13 @@ class RolloutWorker:
         try:
             while not stop.is_set():
                 for replica in lent_replicas(self.settings):
-                    if replica.name in running and not running[replica.name].done():
-                        continue
+                    if (previous := running.get(replica.name)) is not None:
+                        if not previous.done():
+                            continue
+                        if (error := previous.exception()) is not None:  # e.g. the broker or the sandbox
+                            GROUPS.labels("failed").inc()
+                            log(logger, "rollout group failed", replica=replica.name, error=repr(error))
+                            await asyncio.sleep(1.0)  # not a tight loop while it lasts
                     client = clients.setdefault(replica.url, replica_async_client(
                         replica.url, self.settings.serving.request_timeout_s))
                     running[replica.name] = asyncio.create_task(self.run_group(producer, client, replica))
