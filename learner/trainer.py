@@ -29,6 +29,7 @@ from learner.rl import (
     policy_shift,
     version_minibatches,
 )
+from learner.segments import multi_turn, segments, turns_problem, written_tokens
 from liverl.contracts import Architecture, RewardedSample, misfit
 from liverl.probe import PROBE_FILE, probe_logprobs
 from liverl.settings import LearnerConfig
@@ -36,37 +37,38 @@ from liverl.settings import LearnerConfig
 
 @dataclass
 class Batch:
-    input_ids: torch.Tensor        # [B, T]
-    attention: torch.Tensor        # [B, T]
-    completion_mask: torch.Tensor  # [B, T-1]: targets that are completion tokens
-    behaviour_logp: torch.Tensor   # [B, T-1]
-    routing: torch.Tensor | None   # [layers, B*T, k], -1 where not recorded
+    input_ids: torch.Tensor        # [R, T]: one row per segment (learner/segments.py)
+    attention: torch.Tensor        # [R, T]
+    completion_mask: torch.Tensor  # [R, T-1]: targets the policy wrote (in the loss)
+    behaviour_logp: torch.Tensor   # [R, T-1]
+    routing: torch.Tensor | None   # [layers, R*T, k], -1 where not recorded
+    sample_of_row: torch.Tensor    # [R]: which of the collated samples each row is a segment of
 
 
 def collate(samples: list[RewardedSample], pad_id: int, layers: int, top_k: int) -> Batch:
-    lengths = [len(s.trajectory.prompt_token_ids) + len(s.trajectory.completion_token_ids) for s in samples]
-    T = max(lengths)
-    B = len(samples)
-    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
-    attention = torch.zeros((B, T), dtype=torch.long)
-    mask = torch.zeros((B, T - 1))
-    behaviour = torch.zeros((B, T - 1))
+    rows = [(i, seg) for i, s in enumerate(samples) for seg in segments(s.trajectory)]
+    T = max(len(seg.token_ids) for _, seg in rows)
+    R = len(rows)
+    input_ids = torch.full((R, T), pad_id, dtype=torch.long)
+    attention = torch.zeros((R, T), dtype=torch.long)
+    mask = torch.zeros((R, T - 1))
+    behaviour = torch.zeros((R, T - 1))
     routing = None
-    if any(s.trajectory.routed_experts for s in samples):
-        routing = torch.full((layers, B, T, top_k), -1, dtype=torch.long)
-    for i, s in enumerate(samples):
-        t = s.trajectory
-        p, c = len(t.prompt_token_ids), len(t.completion_token_ids)
-        input_ids[i, : p + c] = torch.tensor(t.prompt_token_ids + t.completion_token_ids)
-        attention[i, : p + c] = 1
-        # Target position j predicts token j+1: completion tokens are targets p-1 .. p+c-2.
-        mask[i, p - 1 : p + c - 1] = 1
-        behaviour[i, p - 1 : p + c - 1] = torch.tensor(t.completion_logprobs)
-        if routing is not None and t.routed_experts:
-            recorded = torch.tensor(t.routed_experts, dtype=torch.long)  # [tokens, layers, k]
-            routing[:, i, : recorded.shape[0]] = recorded.permute(1, 0, 2)
+    if any(seg.routed_experts for _, seg in rows):
+        routing = torch.full((layers, R, T, top_k), -1, dtype=torch.long)
+    for r, (_, seg) in enumerate(rows):
+        n = len(seg.token_ids)
+        input_ids[r, :n] = torch.tensor(seg.token_ids)
+        attention[r, :n] = 1
+        # Target position j predicts token j+1.
+        mask[r, : n - 1] = torch.tensor(seg.written[1:], dtype=torch.float32)
+        behaviour[r, : n - 1] = torch.tensor(seg.behaviour_logprobs[1:])
+        if routing is not None and seg.routed_experts:
+            recorded = torch.tensor(seg.routed_experts, dtype=torch.long)  # [tokens, layers, k]
+            routing[:, r, : recorded.shape[0]] = recorded.permute(1, 0, 2)
     return Batch(input_ids, attention, mask, behaviour,
-                 None if routing is None else routing.reshape(layers, B * T, top_k))
+                 None if routing is None else routing.reshape(layers, R * T, top_k),
+                 torch.tensor([i for i, _ in rows]))
 
 
 def vocabulary_logprobs(model: torch.nn.Module, batch: Batch,
@@ -90,6 +92,8 @@ def token_logprobs(model: torch.nn.Module, batch: Batch,
 def problem(sample: RewardedSample, arch: Architecture) -> str | None:
     """Why a sample cannot be trained on, or None: nothing malformed reaches a gradient."""
     t = sample.trajectory
+    if multi_turn(t):
+        return turns_problem(t, arch.vocab_size)
     if not t.prompt_token_ids or not t.completion_token_ids:
         return "no prompt or completion token ids"
     if len(t.completion_logprobs) != len(t.completion_token_ids):
@@ -174,8 +178,10 @@ class Trainer:
                     with torch.no_grad():
                         parent_logp = token_logprobs(self.model, batch, parent)
                 logp = token_logprobs(self.model, batch)  # last: the routing stats read this pass
+            # A trajectory's advantage is credited to every one of its segments.
+            row_advantages = advantages[idx][batch.sample_of_row] * share
             loss, step_stats = policy_gradient_loss(
-                logp, batch.behaviour_logp, advantages[idx] * share, batch.completion_mask,
+                logp, batch.behaviour_logp, row_advantages, batch.completion_mask,
                 objective=self.config.objective,
                 proximal_logp=parent_logp if around_parent else batch.behaviour_logp,
                 clip_low=self.config.clip_low, clip_high=self.config.clip_high,
@@ -281,7 +287,7 @@ class Trainer:
         mine = idx[self.rank :: self.world]
         share = 1.0 if mine else 0.0
         mine = mine or idx[:1]
-        tokens = torch.tensor(float(sum(len(samples[i].trajectory.completion_token_ids) for i in mine)) * share)
+        tokens = torch.tensor(float(sum(written_tokens(samples[i].trajectory) for i in mine)) * share)
         dist.all_reduce(tokens)
         # FSDP averages gradients over ranks; dividing by tokens/world makes that average
         # the gradient of the whole minibatch's token mean, as on one rank.
@@ -289,8 +295,9 @@ class Trainer:
 
     def mean_log_ratios(self, samples: list[RewardedSample],
                         weights: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
-        """Per sequence, mean over completion tokens of log pi - log mu, under `weights`
-        (default: the current ones) - what the offline gate weighs held-out samples by."""
+        """Per sample, mean over the tokens the policy wrote (all its segments) of
+        log pi - log mu, under `weights` (default: the current ones) - what the offline gate
+        weighs held-out samples by."""
         self.model.eval()
         out = []
         with torch.no_grad():
@@ -299,7 +306,10 @@ class Trainer:
                                 self.tokenizer.pad_token_id, self.layers, self.top_k)
                 logp = token_logprobs(self.model, batch, weights)
                 diff = (logp - batch.behaviour_logp) * batch.completion_mask
-                out.append(diff.sum(1) / batch.completion_mask.sum(1).clamp(min=1))
+                n = int(batch.sample_of_row.max()) + 1
+                per_sample = torch.zeros(n).index_add_(0, batch.sample_of_row, diff.sum(1))
+                written = torch.zeros(n).index_add_(0, batch.sample_of_row, batch.completion_mask.sum(1))
+                out.append(per_sample / written.clamp(min=1))
         return torch.cat(out)
 
     def snapshot(self) -> dict[str, torch.Tensor]:

@@ -1,0 +1,93 @@
+"""A trajectory as the learner trains it: segments, each a context the policy read and
+the tokens it wrote in it.
+
+A single-turn completion is one segment: the prompt (read), then the completion (written).
+
+A multi-turn trajectory (`turns`, each with the token ids it had in the policy's context)
+is cut after every `summary` turn: when its context would overflow, the policy writes a
+summary, and the next segment is a fresh context that starts from the task and that
+summary (recorded as the segment's first turn). In every segment the loss covers only the
+policy's own tokens, its `assistant` and `summary` turns; the task, tool outputs and the
+summary carried into a new context were read, not written, so they are masked. The
+trajectory's one reward is credited to every segment (the trainer gives each segment its
+trajectory's advantage), the summaries' included: a summary that lets the next segment
+succeed is reinforced like any other action.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from liverl.contracts import Trajectory, Turn
+
+WRITTEN_ROLES = ("assistant", "summary")  # the policy's own turns: the only ones trained
+
+
+@dataclass(frozen=True)
+class Segment:
+    token_ids: list[int]
+    written: list[bool]  # per token: the policy sampled it here (in the loss)
+    behaviour_logprobs: list[float]  # per token: log mu where written, 0 elsewhere
+    routed_experts: list[list[list[int]]] | None = None  # [token][layer][k], single-turn only
+
+
+def multi_turn(t: Trajectory) -> bool:
+    """Whether the learner trains `t` from its turns. Turns without token ids are a record of
+    the conversation only (an SDK may send them so), and `t` trains as prompt + completion."""
+    return bool(t.turns) and any(turn.token_ids is not None for turn in t.turns)
+
+
+def segments(t: Trajectory) -> list[Segment]:
+    if not multi_turn(t):
+        p, c = t.prompt_token_ids, t.completion_token_ids
+        return [Segment(p + c, [False] * len(p) + [True] * len(c), [0.0] * len(p) + list(t.completion_logprobs),
+                        t.routed_experts)]
+    out, current = [], []
+    for turn in t.turns:
+        current.append(turn)
+        if turn.role == "summary":  # the context ends here; the next segment starts afresh
+            out.append(joined(current))
+            current = []
+    if current:
+        out.append(joined(current))
+    return out
+
+
+def joined(turns: list[Turn]) -> Segment:
+    """One context: its turns' tokens in order, the policy's own marked written."""
+    ids: list[int] = []
+    written: list[bool] = []
+    logprobs: list[float] = []
+    for turn in turns:
+        tokens = turn.token_ids or []
+        mine = turn.role in WRITTEN_ROLES
+        ids += tokens
+        written += [mine] * len(tokens)
+        logprobs += list(turn.logprobs or []) if mine else [0.0] * len(tokens)
+    return Segment(ids, written, logprobs)
+
+
+def written_tokens(t: Trajectory) -> int:
+    """How many tokens of `t` the loss covers."""
+    return sum(sum(s.written) for s in segments(t))
+
+
+def turns_problem(t: Trajectory, vocab_size: int) -> str | None:
+    """Why a multi-turn trajectory's turns cannot be trained on, or None."""
+    if missing := [i for i, turn in enumerate(t.turns) if not turn.token_ids]:
+        return f"turns {missing[:5]}: every turn of a multi-turn trajectory needs the token ids it had in context"
+    for i, turn in enumerate(t.turns):
+        if not all(0 <= x < vocab_size for x in turn.token_ids):
+            return f"turn {i}: token ids must be in [0, {vocab_size})"
+        if turn.role in WRITTEN_ROLES and (turn.logprobs is None or len(turn.logprobs) != len(turn.token_ids)):
+            return f"turn {i} ({turn.role}): behaviour logprobs must match its token ids"
+        if turn.role in WRITTEN_ROLES and not all(x <= 0 for x in turn.logprobs):
+            return f"turn {i} ({turn.role}): behaviour logprobs must be at most 0"
+    if t.routed_experts is not None:
+        return "routed_experts are recorded for single-turn completions only"
+    for k, segment in enumerate(segments(t)):
+        if segment.written[0]:
+            return f"segment {k} starts with the policy's own tokens: it needs a context to condition on"
+        if not any(segment.written):
+            return f"segment {k} has no tokens of the policy's own"
+    return None
