@@ -35,7 +35,8 @@ from promotion.sequential import wilson
 VERSION_SQL = """SELECT policy_version, sum(samples) AS n,
     round(sum(reward_sum) / n, 3) AS mean_reward,
     round(sum(accepted) / nullIf(sum(judged), 0), 3) AS accept_rate
-FROM version_hourly GROUP BY policy_version ORDER BY toUInt32(substring(policy_version, 2))"""
+FROM version_hourly WHERE source != 'rollout' GROUP BY policy_version
+ORDER BY toUInt32(substring(policy_version, 2))"""
 
 PROMPT_STARTS = [
     "def {name}({args}):\n", "# {doc}\n", "import {module}\n", "class {cls}:\n",

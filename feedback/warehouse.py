@@ -63,23 +63,29 @@ SCHEMA = [
         policy_version String, load Float64, why String, seconds Float64,
         aborted_requests Nullable(Int64), error Nullable(String)
     ) ENGINE = ReplacingMergeTree ORDER BY (timestamp, event_id)""",
-    # Per version and hour. The *_delta columns make revisions exact: a corrected
-    # sample adds (new reward - old reward) and no extra count.
+    # Per version, hour and source (gateway, sdk, rollout). The *_delta columns make
+    # revisions exact: a corrected sample adds (new reward - old reward) and no extra count.
     """CREATE TABLE IF NOT EXISTS version_hourly (
         tenant LowCardinality(String), policy_version LowCardinality(String),
-        hour DateTime('UTC'), samples Int64, reward_sum Float64, accepted Int64, judged Int64
-    ) ENGINE = SummingMergeTree ORDER BY (tenant, policy_version, hour)""",
-    """CREATE MATERIALIZED VIEW IF NOT EXISTS version_hourly_mv TO version_hourly AS
-    SELECT tenant, policy_version, toStartOfHour(served_at) AS hour,
+        hour DateTime('UTC'), samples Int64, reward_sum Float64, accepted Int64, judged Int64,
+        source LowCardinality(String)
+    ) ENGINE = SummingMergeTree ORDER BY (tenant, policy_version, hour, source)""",
+    # A rollup made before it had a source gets one (its rows: '', all production); a new
+    # key column may have no default, hence '' rather than 'gateway'.
+    """ALTER TABLE version_hourly ADD COLUMN IF NOT EXISTS source LowCardinality(String),
+        MODIFY ORDER BY (tenant, policy_version, hour, source)""",
+    "DROP VIEW IF EXISTS version_hourly_mv",  # the view before the rollup had a source
+    """CREATE MATERIALIZED VIEW IF NOT EXISTS version_hourly_source_mv TO version_hourly AS
+    SELECT tenant, policy_version, toStartOfHour(served_at) AS hour, source,
            toInt64(sum(count_delta)) AS samples, sum(reward_delta) AS reward_sum,
            toInt64(sum(accepted_delta)) AS accepted, toInt64(sum(judged_delta)) AS judged
-    FROM samples GROUP BY tenant, policy_version, hour""",
+    FROM samples GROUP BY tenant, policy_version, hour, source""",
 ]
 
-ROLLUP_SQL = """SELECT policy_version, hour, sum(samples) AS n,
+ROLLUP_SQL = """SELECT policy_version, hour, if(source = '', 'gateway', source) AS source, sum(samples) AS n,
     round(sum(reward_sum) / n, 4) AS mean_reward,
     round(sum(accepted) / nullIf(sum(judged), 0), 4) AS accept_rate
-FROM version_hourly GROUP BY policy_version, hour ORDER BY hour, policy_version"""
+FROM version_hourly GROUP BY policy_version, hour, source ORDER BY hour, policy_version, source"""
 
 FORMATS = {"json": "JSON", "csv": "CSVWithNames", "table": "PrettyCompactMonoBlock"}
 class Warehouse(Protocol):

@@ -84,8 +84,11 @@ class Turn(Strict):
     role: Literal["system", "user", "assistant", "tool", "summary"]
     content: str = ""
     tool_calls: list[dict[str, Any]] | None = None
-    token_ids: list[int] | None = Field(None, description="Set for policy-generated turns.")
-    logprobs: list[float] | None = None
+    token_ids: list[int] | None = Field(None, description="The tokens as they stood in the policy's context. "
+                                        "A trajectory whose turns all carry them trains turn by turn "
+                                        "(learner/segments.py); without them turns are a record only.")
+    logprobs: list[float] | None = Field(None, description="Behaviour logprob of each token of an assistant "
+                                         "or summary turn.")
     # A "summary" turn is the policy compressing its own context to continue past its
     # window; the segment it replaces is recorded so the learner can credit both.
     summarizes_turns: list[int] | None = None

@@ -399,9 +399,9 @@ class CapacityConfig(Config):
 class RolloutsConfig(Config):
     """Rollout workers (`rollouts/worker.py`): GRPO groups on replicas lent to rollouts."""
 
-    environment: str = Field("coding", description="A built-in environment (coding, humaneval) or "
+    environment: str = Field("coding", description="A built-in environment (coding, coding-feedback, humaneval) or "
                              "'module:Class' of a team's own (rollouts/environment.py).")
-    levels: list[int] | None = Field(None, description="Coding environment: the levels tasks are drawn "
+    levels: list[int] | None = Field(None, description="Coding environments: the levels tasks are drawn "
                                      "from; None: all.")
     group_size: int = Field(16, ge=2, le=1024, description="Completions sampled per task (G): their "
                             "rewards relative to each other are the GRPO advantages.")
@@ -410,6 +410,10 @@ class RolloutsConfig(Config):
     tenant: str = Field("rollouts", pattern=r"^[A-Za-z0-9._\-]+$", description="The tenant rollouts are "
                         "recorded under (kept apart from production in every table).")
     scoring_threads: int = Field(4, ge=1, description="Completions scored at once in the sandbox.")
+    context_tokens: int | None = Field(None, ge=16, description="Multi-turn environments: the longest context "
+                                       "an episode keeps before the policy summarises it; None: the replicas' "
+                                       "serving.max_model_len (more is refused).")
+    summary_tokens: int = Field(24, ge=1, description="Multi-turn environments: most tokens of one summary.")
 
 
 CONFIG_FILE_VARIABLE = "LIVERL_CONFIG_FILE"

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rollouts.environment import Environment, Split, Task
+from rollouts.environment import Environment, MultiTurnEnvironment, Split, Task
 from rollouts.sandbox import Case, SandboxLimits, cases_from_asserts, run_tests
 
 # Function and parameter names, and constants, per split: disjoint, so no held-out task
@@ -156,6 +156,30 @@ class CodingEnvironment(Environment):
 
     def score(self, task: Task, completion: str) -> float:
         return run_tests(solution_source(task, completion), task.hidden, self.limits).score
+
+
+class CodingWithFeedback(CodingEnvironment, MultiTurnEnvironment):
+    """The generated tasks over several turns, with a test-running tool: after each
+    attempt the policy reads how many hidden tests it passed (a comment under its code,
+    never the expected values) and writes the expression again, until every test passes
+    or `max_turns` attempts are spent. The score is the last attempt's."""
+
+    name = "coding-feedback"
+    summary_request = "\n    # notes so far:"
+
+    def __init__(self, levels: list[int] | None = None, limits: SandboxLimits | None = None, max_turns: int = 4):
+        super().__init__(levels, limits)
+        self.max_turns = max_turns
+
+    def respond(self, task: Task, turns: list[str]) -> str | None:
+        verdict = run_tests(solution_source(task, turns[-1]), task.hidden, self.limits)
+        if verdict.passed == verdict.total or len(turns) >= self.max_turns:
+            return None
+        return f"\n    # run_tests: {verdict.passed} of {verdict.total} passed\n    return"
+
+    def resume(self, task: Task) -> tuple[str, str]:
+        header = task.prompt.removesuffix("    return")
+        return header + "    # notes:", "\n    return"
 
 
 class HumanEvalEnvironment(Environment):

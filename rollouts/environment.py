@@ -58,6 +58,26 @@ class Environment(ABC):
         return self.score(task, completion) >= 1.0
 
 
+class MultiTurnEnvironment(Environment):
+    """A task worked through over several turns. After each of the policy's turns (an
+    attempt, a tool call), `respond` gives what the policy reads next (the tool's output)
+    or None when the episode is over; `score` then scores the last turn. When the context
+    would overflow, the policy is asked to summarise (`summary_request`), and a fresh
+    context starts from `resume` around that summary (rollouts/episode.py)."""
+
+    max_turns: int = 4
+    summary_request: str = "\nSummarise what you know so far:"  # appended; the policy writes the summary
+
+    @abstractmethod
+    def respond(self, task: Task, turns: list[str]) -> str | None:
+        """What the policy reads after its turns so far (`turns`, its own texts in order), or
+        None when the task is done (solved, or given up)."""
+
+    def resume(self, task: Task) -> tuple[str, str]:
+        """A fresh context after a summary: (text before the summary, text after it)."""
+        return task.prompt + "\nWhat you knew before:", "\n"
+
+
 def load_environment(spec: str, **kwargs: Any) -> Environment:
     """An environment by its 'module:Class' path (a built-in one by its name alone)."""
     if ":" not in spec:
@@ -72,4 +92,5 @@ def load_environment(spec: str, **kwargs: Any) -> Environment:
     return cls(**kwargs)
 
 
-BUILT_IN = {"coding": "rollouts.coding:CodingEnvironment", "humaneval": "rollouts.coding:HumanEvalEnvironment"}
+BUILT_IN = {"coding": "rollouts.coding:CodingEnvironment", "humaneval": "rollouts.coding:HumanEvalEnvironment",
+            "coding-feedback": "rollouts.coding:CodingWithFeedback"}

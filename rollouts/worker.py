@@ -17,6 +17,7 @@ import random
 import signal
 from collections import Counter as Tally
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -39,12 +40,27 @@ from liverl.kafka import encode, make_producer
 from liverl.observability import log, mount_metrics, setup_logging
 from liverl.pool import SERVED_MODEL_NAME, Replica, read_pool, replica_async_client
 from liverl.settings import Settings, get_settings
-from rollouts.environment import Environment, Task, load_environment
+from rollouts.environment import (
+    Environment,
+    MultiTurnEnvironment,
+    Task,
+    load_environment,
+)
+from rollouts.episode import Cut, play
 
 GROUPS = Counter("liverl_rollout_groups_total", "Rollout groups: published whole, cut (never published) "
                  "or failed", ["outcome"])
 COMPLETIONS = Counter("liverl_rollout_completions_total", "Rollout completions published")
 logger = setup_logging("rollouts")
+
+
+@dataclass
+class Attempt:
+    """One member of a group: the text its environment scores, and what its trajectory records."""
+
+    text: str
+    recorded: dict[str, Any]  # Trajectory fields: token ids and logprobs, or the turns
+    tokens: int  # tokens the policy wrote
 
 
 def lent_replicas(settings: Settings) -> list[Replica]:
@@ -55,8 +71,13 @@ def lent_replicas(settings: Settings) -> list[Replica]:
 class RolloutWorker:
     def __init__(self, settings: Settings, environment: Environment | None = None, seed: int | None = None):
         self.settings, self.config = settings, settings.rollouts
-        kwargs = {"levels": self.config.levels} if self.config.environment == "coding" else {}
+        kwargs = {"levels": self.config.levels} if self.config.environment.startswith("coding") else {}
         self.environment = environment or load_environment(self.config.environment, **kwargs)
+        # A multi-turn episode's context: the replicas' window unless set shorter.
+        self.context_tokens = self.config.context_tokens or settings.serving.max_model_len
+        if self.context_tokens > settings.serving.max_model_len:
+            raise ValueError(f"rollouts.context_tokens={self.context_tokens} is more than the replicas' "
+                             f"serving.max_model_len={settings.serving.max_model_len}")
         self.tasks = self.environment.tasks("train", random.Random(seed))
         self.scoring = ThreadPoolExecutor(self.config.scoring_threads)  # the sandbox waits in poll
         self.counts: Tally[str] = Tally()  # groups, cut, completions, tokens
@@ -67,8 +88,22 @@ class RolloutWorker:
                 "max_tokens": self.config.max_tokens, "temperature": self.config.temperature,
                 "logprobs": 0, "return_token_ids": True, "stop": list(task.stop) or None}
 
-    async def sample(self, client: httpx.AsyncClient, task: Task) -> list[dict[str, Any]] | None:
-        """The group's choices, or None if the request did not complete (taken back, aborted)."""
+    async def attempts(self, client: httpx.AsyncClient, task: Task) -> list[Attempt] | None:
+        """The group's G attempts at `task`, or None if any did not complete (taken back, aborted)."""
+        if not isinstance(self.environment, MultiTurnEnvironment):
+            return await self.sample(client, task)
+        try:
+            episodes = await asyncio.gather(*(play(client, self.environment, task, self.config, self.context_tokens)
+                                              for _ in range(self.config.group_size)))
+        except Cut:
+            return None
+        self.counts["summaries"] += sum(e.summaries for e in episodes)
+        return [Attempt(e.final, {"turns": e.turns},
+                        sum(len(t.token_ids or []) for t in e.turns if t.role in ("assistant", "summary")))
+                for e in episodes]
+
+    async def sample(self, client: httpx.AsyncClient, task: Task) -> list[Attempt] | None:
+        """The group's completions in one request, or None if it did not complete."""
         try:
             response = await client.post("/v1/completions", json=self.request(task))
         except httpx.TransportError:
@@ -79,33 +114,31 @@ class RolloutWorker:
         choices = answer.get("choices") or []
         if len(choices) != self.config.group_size or any(c.get("finish_reason") == "abort" for c in choices):
             return None
-        for choice in choices:
-            choice.setdefault("prompt_token_ids", answer.get("prompt_token_ids"))
-        return choices
+        return [Attempt(c.get("text") or "", {
+            "prompt_token_ids": c.get("prompt_token_ids") or answer.get("prompt_token_ids") or [],
+            "completion_token_ids": c.get("token_ids") or [],
+            "completion_logprobs": [lp for lp in (c.get("logprobs") or {}).get("token_logprobs") or [] if lp is not None],
+            "routed_experts": c.get("routed_experts"), "finish_reason": c.get("finish_reason")},
+            len(c.get("token_ids") or [])) for c in choices]
 
-    async def score(self, task: Task, choices: list[dict[str, Any]]) -> list[float]:
+    async def score(self, task: Task, attempts: list[Attempt]) -> list[float]:
         loop = asyncio.get_running_loop()
         return list(await asyncio.gather(*(
-            loop.run_in_executor(self.scoring, self.environment.score, task, c.get("text") or "") for c in choices)))
+            loop.run_in_executor(self.scoring, self.environment.score, task, a.text) for a in attempts)))
 
-    def records(self, task: Task, replica: Replica, choices: list[dict[str, Any]],
+    def records(self, task: Task, replica: Replica, attempts: list[Attempt],
                 scores: list[float]) -> list[tuple[str, str, Trajectory | FeedbackEvent]]:
-        """(topic, key, event) for each completion's trajectory and its score."""
+        """(topic, key, event) for each attempt's trajectory and its score."""
         group_id, tenant = new_id("grp"), self.config.tenant
         out: list[tuple[str, str, Trajectory | FeedbackEvent]] = []
-        for choice, score in zip(choices, scores):
+        for attempt, score in zip(attempts, scores):
             completion_id = new_id("roll")
             out.append((Topics.TRAJECTORIES, completion_id, Trajectory(
                 event_id=completion_id, tenant=tenant, completion_id=completion_id, group_id=group_id,
-                group_size=len(choices), policy_version=replica.policy_version, replica=replica.name,
-                source="rollout", prompt_text=task.prompt, completion_text=choice.get("text") or "",
-                prompt_token_ids=choice.get("prompt_token_ids") or [],
-                completion_token_ids=choice.get("token_ids") or [],
-                completion_logprobs=[lp for lp in (choice.get("logprobs") or {}).get("token_logprobs") or []
-                                     if lp is not None],
-                routed_experts=choice.get("routed_experts"),
+                group_size=len(attempts), policy_version=replica.policy_version, replica=replica.name,
+                source="rollout", prompt_text=task.prompt, completion_text=attempt.text,
                 sampling=SamplingParams(temperature=self.config.temperature, max_tokens=self.config.max_tokens),
-                finish_reason=choice.get("finish_reason"))))
+                **attempt.recorded)))
             out.append((Topics.FEEDBACK, completion_id, FeedbackEvent(
                 event_id=new_id("score"), tenant=tenant, timestamp=utcnow(),
                 body=OutcomeBody(completion_id=completion_id, name=ROLLOUT_SCORE, value=score))))
@@ -115,20 +148,19 @@ class RolloutWorker:
                         replica: Replica) -> list[Trajectory] | None:
         """One task's group on `replica`, published whole: its trajectories, or None if it was cut."""
         task = next(self.tasks)
-        choices = await self.sample(client, task)
-        if choices is None:
+        attempts = await self.attempts(client, task)
+        if attempts is None:
             self.counts["cut"] += 1
             GROUPS.labels("cut").inc()
             return None
-        scores = await self.score(task, choices)
-        records = self.records(task, replica, choices, scores)
+        scores = await self.score(task, attempts)
+        records = self.records(task, replica, attempts, scores)
         # Each keyed by its completion, trajectory first: the stream joins them on one partition.
         sent = [await producer.send(topic, encode(event), key=key.encode()) for topic, key, event in records]
         await asyncio.gather(*sent)
-        self.counts.update(groups=1, completions=len(choices),
-                           tokens=sum(len(c.get("token_ids") or []) for c in choices))
+        self.counts.update(groups=1, completions=len(attempts), tokens=sum(a.tokens for a in attempts))
         GROUPS.labels("published").inc()
-        COMPLETIONS.inc(len(choices))
+        COMPLETIONS.inc(len(attempts))
         return [event for _, _, event in records if isinstance(event, Trajectory)]
 
     async def run(self, producer: AIOKafkaProducer, stop: asyncio.Event) -> None:

@@ -1,12 +1,13 @@
-"""The sink on a real chdb: revisions in one consumer batch count once in the rollup, and
-an event id is the tenant's own (two tenants may use one)."""
+"""The sink on a real chdb: revisions in one consumer batch count once in the rollup, the
+rollup keeps production and rollouts apart, and an event id is the tenant's own (two
+tenants may use one)."""
 
 from __future__ import annotations
 
 import pytest
 
 from feedback.sink import Sink
-from feedback.warehouse import SCHEMA, ChdbBackend, query_json
+from feedback.warehouse import ROLLUP_SQL, SCHEMA, ChdbBackend, query_json
 from liverl.contracts import FeedbackEvent, RewardedSample, Topics, Trajectory
 from liverl.kafka import encode
 
@@ -19,17 +20,18 @@ def sink(tmp_path_factory) -> Sink:
     return Sink(warehouse)
 
 
-def sample(cid: str, revision: int, reward: float, accepted: bool | None) -> bytes:
-    trajectory = Trajectory(event_id=cid, tenant="acme", completion_id=cid, policy_version="v1",
+def sample(cid: str, revision: int, reward: float, accepted: bool | None, source: str = "gateway") -> bytes:
+    trajectory = Trajectory(event_id=cid, tenant="acme", completion_id=cid, policy_version="v1", source=source,
                             prompt_token_ids=[1], completion_token_ids=[2], completion_logprobs=[-1.0])
     return encode(RewardedSample(sample_id=f"acme:{cid}", revision=revision, event_id=f"acme:{cid}:r{revision}",
                                  tenant="acme", reward=reward, reward_source="feedback",
                                  reward_fn_version="t", accepted=accepted, trajectory=trajectory))
 
 
-def rollup(sink: Sink) -> list[dict]:
+def rollup(sink: Sink, source: str = "gateway") -> list[dict]:
     return query_json(sink.warehouse, "SELECT sum(samples) AS n, sum(reward_sum) AS reward, sum(accepted) AS accepted, "
-                                      "sum(judged) AS judged FROM version_hourly WHERE tenant = 'acme'")
+                                      f"sum(judged) AS judged FROM version_hourly WHERE tenant = 'acme' "
+                                      f"AND source = '{source}'")
 
 
 def test_two_revisions_in_one_batch_count_once(sink):
@@ -50,3 +52,47 @@ def test_one_event_id_two_tenants_two_rows(sink):
     sink.store(Topics.FEEDBACK, [event("globex")])  # a real duplicate
     rows = query_json(sink.warehouse, "SELECT tenant, count() AS n FROM feedback_events GROUP BY tenant ORDER BY tenant")
     assert rows == [{"tenant": "acme", "n": 1}, {"tenant": "globex", "n": 1}]
+
+
+def test_the_rollup_counts_rollouts_apart_from_production(sink):
+    sink.store(Topics.SAMPLES, [sample("r1", 0, 1.0, None, source="rollout"),
+                                sample("r2", 0, 0.5, None, source="rollout")])
+    assert rollup(sink, "rollout") == [{"n": 2, "reward": 1.5, "accepted": 0, "judged": 0}]
+    sink.warehouse.command("OPTIMIZE TABLE version_hourly FINAL")  # a merge keeps them apart too
+    assert rollup(sink, "rollout") == [{"n": 2, "reward": 1.5, "accepted": 0, "judged": 0}]
+    # `liverl report`'s rollup names the source.
+    assert {(r["source"], r["n"]) for r in query_json(sink.warehouse, ROLLUP_SQL)} >= {("rollout", 2)}
+
+
+def test_a_rollup_made_before_sources_gets_the_column(sink):
+    """A store whose rollup predates the source column is migrated in place: its rows stay
+    (source '', production) and new samples are counted per source."""
+    warehouse = sink.warehouse  # chdb opens one path per process: another database in it
+    warehouse.command("CREATE DATABASE IF NOT EXISTS before_sources")
+    warehouse.command("USE before_sources")
+    try:
+        old = Sink(warehouse)
+        for statement in [s for s in SCHEMA if "version_hourly" not in s] + OLD_ROLLUP:
+            warehouse.command(statement)
+        old.store(Topics.SAMPLES, [sample("c1", 0, 1.0, True)])
+        for statement in SCHEMA:
+            warehouse.command(statement)
+        old.store(Topics.SAMPLES, [sample("r1", 0, 1.0, None, source="rollout")])
+        rows = query_json(warehouse, "SELECT source, sum(samples) AS n FROM version_hourly "
+                                     "GROUP BY source ORDER BY source")
+    finally:
+        warehouse.command("USE liverl")
+    assert rows == [{"source": "", "n": 1}, {"source": "rollout", "n": 1}]
+
+
+OLD_ROLLUP = [  # the rollup's schema before it had a source (Nov 24)
+    """CREATE TABLE IF NOT EXISTS version_hourly (
+        tenant LowCardinality(String), policy_version LowCardinality(String),
+        hour DateTime('UTC'), samples Int64, reward_sum Float64, accepted Int64, judged Int64
+    ) ENGINE = SummingMergeTree ORDER BY (tenant, policy_version, hour)""",
+    """CREATE MATERIALIZED VIEW IF NOT EXISTS version_hourly_mv TO version_hourly AS
+    SELECT tenant, policy_version, toStartOfHour(served_at) AS hour,
+           toInt64(sum(count_delta)) AS samples, sum(reward_delta) AS reward_sum,
+           toInt64(sum(accepted_delta)) AS accepted, toInt64(sum(judged_delta)) AS judged
+    FROM samples GROUP BY tenant, policy_version, hour""",
+]

@@ -1,0 +1,113 @@
+"""One multi-turn episode on a replica: the policy's turns and the environment's replies in
+one growing context of token ids, and a summary whenever the next turn might not fit.
+
+Every piece is placed in the context as token ids (the replica's own `/tokenize`), so the
+recorded turns are exactly what the policy read and wrote, and the learner rebuilds each
+context token for token (learner/segments.py). The context never passes `limit` tokens
+(at most the replicas' `max_model_len`): before each turn the episode checks that the turn
+and a later summary still fit; if not, it appends the environment's summary request, the
+policy writes a summary, and a fresh context starts from the task and that summary. A
+tool reply is cut to the room that leaves, as an agent harness truncates long tool output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from liverl.contracts import Turn
+from liverl.pool import SERVED_MODEL_NAME
+from liverl.settings import RolloutsConfig
+from rollouts.environment import MultiTurnEnvironment, Task
+
+
+class Cut(Exception):
+    """A request of the episode did not complete (the replica was taken back, or failed)."""
+
+
+@dataclass
+class Episode:
+    turns: list[Turn]
+    final: str  # the last attempt's text: what the environment scores
+    summaries: int
+
+
+async def tokenize(client: httpx.AsyncClient, text: str, first: bool = False) -> list[int]:
+    """`text` as the served tokenizer splits it; special tokens (BOS) only at a context's start."""
+    try:
+        response = await client.post("/tokenize", json={"model": SERVED_MODEL_NAME, "prompt": text,
+                                                         "add_special_tokens": first})
+    except httpx.TransportError as error:
+        raise Cut(repr(error)) from error
+    if response.status_code != 200:
+        raise Cut(f"/tokenize answered {response.status_code}")
+    return response.json()["tokens"]
+
+
+async def generate(client: httpx.AsyncClient, context: list[int], max_tokens: int, config: RolloutsConfig,
+                   task: Task) -> dict[str, Any]:
+    """One turn of the policy after `context`: its text, token ids and behaviour logprobs."""
+    try:
+        response = await client.post("/v1/completions", json={
+            "model": SERVED_MODEL_NAME, "prompt": context, "max_tokens": max_tokens,
+            "temperature": config.temperature, "logprobs": 0, "return_token_ids": True,
+            "stop": list(task.stop) or None})
+    except httpx.TransportError as error:
+        raise Cut(repr(error)) from error
+    if response.status_code != 200:
+        raise Cut(f"/v1/completions answered {response.status_code}")
+    choice = response.json()["choices"][0]
+    if choice.get("finish_reason") == "abort":
+        raise Cut("aborted")
+    return {"text": choice.get("text") or "", "token_ids": choice.get("token_ids") or [],
+            "logprobs": [lp for lp in (choice.get("logprobs") or {}).get("token_logprobs") or [] if lp is not None]}
+
+
+async def play(client: httpx.AsyncClient, environment: MultiTurnEnvironment, task: Task,
+               config: RolloutsConfig, limit: int) -> Episode:
+    """The episode's turns, from the task to the environment's end (raises `Cut`)."""
+    request = await tokenize(client, environment.summary_request)
+    before, after = environment.resume(task)
+    resume_before, resume_after = await tokenize(client, before, first=True), await tokenize(client, after)
+    # A fresh context must hold the task, a summary, a turn and the next summary request.
+    summary_room = len(request) + config.summary_tokens
+    needed = len(resume_before) + config.summary_tokens + len(resume_after) + config.max_tokens + summary_room
+    if needed > limit:
+        raise ValueError(f"rollouts.context_tokens: {limit} tokens cannot hold a resumed context, a turn and "
+                         f"a summary ({needed} tokens for this task); raise it or lower max_tokens/summary_tokens")
+    context = await tokenize(client, task.prompt, first=True)
+    turns = [Turn(role="user", content=task.prompt, token_ids=list(context))]
+    attempts: list[str] = []
+    summaries, segment_start = 0, 0
+    while len(attempts) < environment.max_turns:
+        if len(context) + config.max_tokens + summary_room > limit:
+            turns.append(Turn(role="user", content=environment.summary_request, token_ids=request))
+            written = await generate(client, context + request, config.summary_tokens, config, task)
+            if not written["token_ids"]:
+                raise Cut("the replica wrote an empty summary")
+            turns.append(Turn(role="summary", content=written["text"], token_ids=written["token_ids"],
+                              logprobs=written["logprobs"],
+                              summarizes_turns=list(range(segment_start, len(turns) - 1))))
+            context = resume_before + written["token_ids"] + resume_after
+            segment_start = len(turns)
+            turns.append(Turn(role="user", content=before + written["text"] + after, token_ids=list(context)))
+            summaries += 1
+        written = await generate(client, context, config.max_tokens, config, task)
+        if not written["token_ids"]:
+            raise Cut("the replica wrote an empty turn")
+        turns.append(Turn(role="assistant", content=written["text"], token_ids=written["token_ids"],
+                          logprobs=written["logprobs"]))
+        context += written["token_ids"]
+        attempts.append(written["text"])
+        # The environment's tool (a sandbox run) blocks: off the event loop the other groups share.
+        reply = await asyncio.get_running_loop().run_in_executor(None, environment.respond, task, list(attempts))
+        if reply is None:
+            break
+        # The reply is cut to what leaves room for a summary request and a summary.
+        if tokens := (await tokenize(client, reply))[: max(0, limit - len(context) - summary_room)]:
+            turns.append(Turn(role="tool", content=reply, token_ids=tokens))
+            context += tokens
+    return Episode(turns, attempts[-1], summaries)
