@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from datetime import datetime, timezone
+from enum import Enum
 from pathlib import Path
 from typing import Optional
 
@@ -462,23 +463,35 @@ def policy_history(version: Optional[str] = typer.Argument(None, help="One versi
 
 
 # --- demo ------------------------------------------------------------------------------------
+class DemoLoad(str, Enum):
+    constant = "constant"
+    day = "day"
+
+
 @app.command()
 def demo(minutes: float = typer.Option(10.0, help="How long the simulated product runs."),
          users: int = typer.Option(8, help="Concurrent simulated users."),
          seed: int = typer.Option(0, help="Seed of the users' prompts and sampling."),
-         out: Path = typer.Option(Path("demo-output"), help="Where the plot and summary go.")) -> None:
+         out: Path = typer.Option(Path("demo-output"), help="Where the plot and summary go."),
+         load: DemoLoad = typer.Option(DemoLoad.constant, help="constant: every user all the time (the learning "
+                                       "benchmark's mode); day: traffic follows a compressed day, and idle "
+                                       "replicas are lent to coding rollouts in its troughs."),
+         day_minutes: float = typer.Option(4.0, help="With --load day: the length of one simulated day."),
+         heldout: int = typer.Option(50, help="With --load day: held-out coding tasks each evaluated version "
+                                     "is scored on (greedy).")) -> None:
     """Start the stack, let simulated users teach the policy a hidden rule, show it learning."""
     import shutil
 
     from app.demo import demo_settings, run_demo
     from app.stack import running
 
-    settings = demo_settings()
+    settings = demo_settings(day=load is DemoLoad.day)
     if running(settings):  # its state is about to be wiped: never under a live demo
         fail(f"a demo is already running in {settings.data_dir}; `liverl down --data-dir "
              f"{settings.data_dir}` stops it")
     shutil.rmtree(settings.data_dir, ignore_errors=True)  # every demo starts from the starter policy
-    result = run_demo(settings, minutes, users, seed, max_tokens=24, out_dir=out, console=console)
+    result = run_demo(settings, minutes, users, seed, max_tokens=24, out_dir=out, console=console,
+                      day_minutes=day_minutes if load is DemoLoad.day else None, heldout=heldout)
     # The per-version table is printed above; the curve is in the plot and summary.json.
     console.print_json(json.dumps({k: v for k, v in result.items() if k not in ("clickhouse", "learning_curve")}))
 

@@ -6,17 +6,25 @@ completion must parse as Python and stay short. Only accept/reject reaches liver
 through the ingest API. Meanwhile the learner trains candidates, the offline gate
 checks them, and passing ones are rolled out; the table shows the accept rate of
 each version as it serves.
+
+With `--load day` the product has a day, compressed into minutes: traffic follows a curve
+with troughs and peaks, idle replicas are lent to rollouts on the coding environment in
+the troughs and taken back as the peaks return, and the summary adds the take-back
+times, production latency while a replica was lent and while none was, and the
+held-out pass rate of the coding environment per version.
 """
 
 from __future__ import annotations
 
 import ast
 import json
+import math
 import random
 import statistics
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,6 +35,7 @@ from rich.table import Table
 
 from app.tables import print_rows
 from liverl.client import FeedbackClient
+from liverl.contracts import CapacityEvent
 from liverl.keys import admin_headers
 from liverl.settings import Settings, settings_with_defaults
 from policies.registry import Registry
@@ -80,10 +89,19 @@ class Tally:
     log: list[tuple[float, bool]] = field(default_factory=list)
 
 
-class Population:
-    """Users hitting the gateway concurrently; their verdicts go to the ingest API."""
+def day_load(t: float, day_s: float) -> float:
+    """The share of users active `t` seconds into a compressed day of `day_s` seconds: a
+    trough with no traffic at all for about 28% of the day (from midnight), then a rise to
+    a peak with every user active around noon, and down again."""
+    return min(1.0, max(0.0, 1.6 * (0.5 - 0.5 * math.cos(2 * math.pi * t / day_s)) - 0.3))
 
-    def __init__(self, settings: Settings, api_key: str, users: int, seed: int, max_tokens: int):
+
+class Population:
+    """Users hitting the gateway concurrently; their verdicts go to the ingest API. With a
+    `load` curve, user i is active only while i < users * load(seconds since start)."""
+
+    def __init__(self, settings: Settings, api_key: str, users: int, seed: int, max_tokens: int,
+                 load: Callable[[float], float] | None = None):
         self.settings = settings
         self.openai = OpenAI(base_url=settings.url(settings.ports.gateway) + "/v1", api_key=api_key,
                              max_retries=5)
@@ -92,15 +110,25 @@ class Population:
         self.seed = seed
         self.max_tokens = max_tokens
         self.tallies: dict[str, Tally] = {}
+        self.load = load
+        self.requests: list[tuple[float, float, bool]] = []  # (sent at, seconds, answered)
         self.started = time.time()
         self.errors = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
 
+    def active(self) -> int:
+        """Users active now."""
+        return self.users if self.load is None else math.ceil(self.users * self.load(time.time() - self.started))
+
     def user(self, index: int) -> None:
         rng = random.Random(self.seed * 1000 + index)
         while not self._stop.is_set():
+            if index >= self.active():
+                time.sleep(0.2)
+                continue
             prompt = make_prompt(rng)
+            sent = time.time()
             try:
                 raw = self.openai.completions.with_raw_response.create(
                     model="liverl", prompt=prompt, max_tokens=self.max_tokens, temperature=1.0,
@@ -108,8 +136,11 @@ class Population:
             except Exception:
                 with self._lock:
                     self.errors += 1
+                    self.requests.append((sent - self.started, time.time() - sent, False))
                 time.sleep(0.5)
                 continue
+            with self._lock:
+                self.requests.append((sent - self.started, time.time() - sent, True))
             completion = raw.parse()
             version = raw.headers["x-liverl-policy-version"]
             ok = hidden_rule(prompt, completion.choices[0].text)
@@ -133,11 +164,17 @@ class Population:
         self.feedback.close()
 
 
-def live_table(pop: Population, learner_status: dict, controller_status: dict) -> Table:
+def live_table(pop: Population, status: dict[str, dict]) -> Table:
     elapsed = time.time() - pop.started
-    table = Table(title=f"liverl demo - {elapsed:5.0f} s - learner at {learner_status.get('version', '?')}, "
-                        f"{learner_status.get('pending', 0)} samples pending - {pop.errors} errors\n"
-                        f"controller: {controller_status.get('state', '?')}")
+    learner = status["learner"]
+    title = (f"liverl demo - {elapsed:5.0f} s - learner at {learner.get('version', '?')}, "
+             f"{learner.get('pending', 0)} samples pending - {pop.errors} errors\n"
+             f"controller: {status['controller'].get('state', '?')}")
+    if "capacity" in status:
+        title += (f"\nload: {pop.active()} of {pop.users} users - lent to rollouts: "
+                  f"{', '.join(status['capacity'].get('lent', [])) or 'none'} - rollout groups: "
+                  f"{status['rollouts'].get('groups', 0)} ({status['rollouts'].get('cut', 0)} cut)")
+    table = Table(title=title)
     for column in ("version", "first served (s)", "served", "accepted", "accept rate", "95% CI"):
         table.add_column(column, justify="right")
     with pop._lock:
@@ -159,9 +196,11 @@ def learning_curve(tallies: dict[str, Tally], window: int = 100) -> list[tuple[f
     return curve
 
 
-def plot(tallies: dict[str, Tally], out_dir: Path) -> tuple[Path, Path]:
+def plot(tallies: dict[str, Tally], out_dir: Path, day: dict | None = None) -> tuple[Path, Path]:
     """The learning curve against wall time (with each version's rate and 95% CI) and
-    against feedback events: a PNG, and an HTML page embedding it as SVG."""
+    against feedback events; with a simulated day, a third panel: production load, the
+    periods a replica was lent to rollouts (shaded) and the coding environment's held-out
+    pass rate per version. A PNG, and an HTML page embedding it as SVG."""
     import io
 
     import matplotlib
@@ -169,7 +208,8 @@ def plot(tallies: dict[str, Tally], out_dir: Path) -> tuple[Path, Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (by_time, by_events) = plt.subplots(1, 2, figsize=(13, 4.5))
+    fig, axes = plt.subplots(1, 3 if day else 2, figsize=(19 if day else 13, 4.5))
+    by_time, by_events = axes[:2]
     for version, t in sorted(tallies.items(), key=lambda kv: int(kv[0][1:])):
         if not t.log:
             continue
@@ -191,6 +231,8 @@ def plot(tallies: dict[str, Tally], out_dir: Path) -> tuple[Path, Path]:
         ax.set_ylim(0, 1)
         ax.set_ylabel("accept rate")
         ax.grid(alpha=0.3)
+    if day:
+        day_panel(axes[2], day)
     fig.tight_layout()
     out_dir.mkdir(parents=True, exist_ok=True)
     png, html = out_dir / "accept_rate.png", out_dir / "accept_rate.html"
@@ -201,6 +243,79 @@ def plot(tallies: dict[str, Tally], out_dir: Path) -> tuple[Path, Path]:
     html.write_text(f"<!doctype html><title>liverl demo</title><h1>Accept rate per policy version</h1>"
                     f"{svg.getvalue()[svg.getvalue().index('<svg'):]}")
     return png, html
+
+
+def day_panel(ax, day: dict) -> None:
+    """Load against wall time, lent periods shaded, held-out pass rate per version."""
+    ax.step([t for t, _ in day["load"]], [n for _, n in day["load"]], where="post", color="tab:gray",
+            label="active users (production load)")
+    for start, end, replica in day["lent"]:
+        ax.axvspan(start, end, color="tab:green", alpha=0.15, linewidth=0)
+    ax.axvspan(0, 0, color="tab:green", alpha=0.15, label="a replica lent to rollouts")
+    ax.set_xlabel("seconds since the first request")
+    ax.set_ylabel("active users")
+    ax.set_title("Load, lending, and the coding environment")
+    rates = ax.twinx()
+    points = [(r["at_s"], r["pass_rate"]) for r in day["heldout"]]
+    rates.plot([x for x, _ in points], [y for _, y in points], "o-", color="tab:purple",
+               label="held-out pass rate per version")
+    rates.set_ylim(0, 1)
+    rates.set_ylabel("held-out pass rate (greedy)")
+    handles = ax.get_legend_handles_labels()[0] + rates.get_legend_handles_labels()[0]
+    ax.legend(handles=handles, loc="upper left", fontsize=8)
+
+
+def lent_intervals(events: list[CapacityEvent], started: float, end_s: float) -> list[tuple[float, float, str]]:
+    """(from, to, replica) in seconds since `started` for each period a replica was lent."""
+    intervals, open_at = [], {}
+    for e in events:
+        at = e.timestamp.timestamp() - started
+        if e.action == "lend":
+            open_at[e.replica] = at
+        elif e.replica in open_at:
+            intervals.append((open_at.pop(e.replica), at, e.replica))
+    return intervals + [(at, end_s, replica) for replica, at in open_at.items()]
+
+
+def p99(values: list[float]) -> float | None:
+    return sorted(values)[min(len(values) - 1, int(0.99 * len(values)))] if values else None
+
+
+def capacity_summary(pop: Population, events: list[CapacityEvent], rollouts: dict) -> dict:
+    """What lending cost production and what it harvested: take-back times, failed
+    requests, production latency p99 while a replica was lent and while none was."""
+    end_s = time.time() - pop.started
+    lent = lent_intervals(events, pop.started, end_s)
+    with pop._lock:
+        requests = list(pop.requests)
+    during = [seconds for at, seconds, ok in requests if ok and any(a <= at < b for a, b, _ in lent)]
+    outside = [seconds for at, seconds, ok in requests if ok and not any(a <= at < b for a, b, _ in lent)]
+    take_backs = [e.seconds for e in events if e.action == "take_back"]
+    return {"lends": sum(e.action == "lend" for e in events), "take_backs": len(take_backs),
+            "take_back_s": {"median": statistics.median(take_backs) if take_backs else None,
+                            "p99": p99(take_backs), "max": max(take_backs, default=None)},
+            "lent_seconds": sum(b - a for a, b, _ in lent),
+            "production_requests": len(requests), "production_failed": sum(not ok for _, _, ok in requests),
+            "latency_p99_s": {"lent": p99(during), "not_lent": p99(outside)},
+            "rollout_groups": rollouts.get("groups", 0), "rollout_groups_cut": rollouts.get("cut", 0),
+            "rollout_completions": rollouts.get("completions", 0),
+            "lent": lent}
+
+
+def heldout_by_version(settings: Settings, started: float, tasks: int, most: int = 6) -> list[dict]:
+    """The coding environment's held-out pass rate (greedy, `tasks` tasks) of the starter and
+    of up to `most` later versions whose weights retention kept, evenly spread."""
+    from rollouts.coding import CodingEnvironment
+    from rollouts.evaluate import greedy_pass_rate
+
+    environment = CodingEnvironment(levels=settings.rollouts.levels)
+    held = environment.heldout(tasks)
+    versions = [v for v in Registry(settings.policies_dir).versions() if Path(v.model_dir).is_dir()]
+    if len(versions) > most + 1:  # the starter, then evenly spread, the newest included
+        step = (len(versions) - 1) / most
+        versions = [versions[0]] + [versions[round(1 + i * step) if i < most - 1 else -1] for i in range(most)]
+    return [{"version": v.version, "at_s": max(0.0, v.created_at - started),
+             "pass_rate": greedy_pass_rate(Path(v.model_dir), environment, held)} for v in versions]
 
 
 def feedback_to_serving(settings: Settings) -> dict:
@@ -283,7 +398,9 @@ def summary(tallies: dict[str, Tally], recent_s: float = 120.0, rise: float = 0.
 
 
 def run_demo(settings: Settings, minutes: float, users: int, seed: int, max_tokens: int,
-             out_dir: Path, console: Console) -> dict:
+             out_dir: Path, console: Console, day_minutes: float | None = None, heldout: int = 50) -> dict:
+    """The demo; with `day_minutes`, traffic follows a day of that length (`day_load`) and
+    idle replicas are lent to rollouts (the settings must enable the capacity scheduler)."""
     import httpx
 
     from app.stack import StackError, down, drain, up
@@ -292,21 +409,30 @@ def run_demo(settings: Settings, minutes: float, users: int, seed: int, max_toke
     up(settings, say=console.print)
     try:
         keys = json.loads(settings.dev_keys_file.read_text())
-        pop = Population(settings, keys["tenant_key"], users, seed, max_tokens)
+        load = None if day_minutes is None else (lambda t: day_load(t, day_minutes * 60))
+        pop = Population(settings, keys["tenant_key"], users, seed, max_tokens, load)
         threads = pop.start()
-        urls = {name: settings.url(getattr(settings.ports, name)) + "/health" for name in ("learner", "controller")}
+        components = ("learner", "controller") + (("capacity", "rollouts") if day_minutes else ())
+        urls = {name: settings.url(getattr(settings.ports, name)) + "/health" for name in components}
         status: dict[str, dict] = {name: {} for name in urls}
-        with Live(live_table(pop, status["learner"], status["controller"]), console=console,
-                  refresh_per_second=2) as live:
+        active: list[tuple[float, int]] = []
+        with Live(live_table(pop, status), console=console, refresh_per_second=2) as live:
             while time.time() - pop.started < minutes * 60:
                 time.sleep(1)
+                active.append((time.time() - pop.started, pop.active()))
                 for name, url in urls.items():
                     try:
                         status[name] = httpx.get(url, timeout=2).json()
                     except httpx.HTTPError:
                         pass
-                live.update(live_table(pop, status["learner"], status["controller"]))
+                live.update(live_table(pop, status))
         pop.stop(threads)
+        day = None
+        if day_minutes:
+            from serving.capacity import read_events
+
+            day = capacity_summary(pop, read_events(settings), status["rollouts"])
+            day["load"] = active
         drain(settings, settings.drain_timeout_s, say=lambda _: None)
         per_version = json.loads(httpx.post(settings.url(settings.ports.sink) + "/sql", timeout=60, json={
             "sql": VERSION_SQL, "format": "json"}, headers=admin_headers(settings)).raise_for_status().text)["data"]
@@ -319,9 +445,6 @@ def run_demo(settings: Settings, minutes: float, users: int, seed: int, max_toke
             print_rows(result["guard"], "versions the guard stopped")
         result["learning_curve"] = learning_curve(pop.tallies)[::25]
         result["clickhouse"] = per_version
-        png, html = plot(pop.tallies, out_dir)
-        (out_dir / "summary.json").write_text(json.dumps(result, indent=2))
-        console.print(f"plot: {png} and {html}")
     finally:
         console.print("[bold]draining and stopping[/bold]")
         try:
@@ -329,11 +452,20 @@ def run_demo(settings: Settings, minutes: float, users: int, seed: int, max_toke
         except StackError as error:
             console.print(f"[red]{error}[/red]; stopping without draining")
             down(settings, say=console.print, force=True)
+    if day is not None:  # with the stack down, so the evaluation has the cores
+        console.print(f"held-out pass rate of the coding environment per version ({heldout} tasks, greedy)")
+        day["heldout"] = heldout_by_version(settings, pop.started, heldout)
+        print_rows(day["heldout"], "coding environment, held-out pass rate per version")
+        result["day"] = {k: v for k, v in day.items() if k != "load"}
+    png, html = plot(pop.tallies, out_dir, day)
+    (out_dir / "summary.json").write_text(json.dumps(result, indent=2))
+    console.print(f"plot: {png} and {html}")
     return result
 
 
-def demo_settings() -> Settings:
-    """The demo's stack: its own data directory, fast cadence, automatic promotion."""
+def demo_settings(day: bool = False) -> Settings:
+    """The demo's stack: its own data directory, fast cadence, automatic promotion; for a
+    simulated day, the capacity scheduler lends idle replicas to coding rollouts."""
     defaults = {
         "learner": {"batch_samples": 96, "lr": 3e-4, "max_version_lag": 3,
                     "gate_min_ess": 5.0, "gate_margin": 0.1},
@@ -353,4 +485,7 @@ def demo_settings() -> Settings:
         "promotion": {"auto_promote": True, "judge_after_s": 1.0, "margin": 0.1, "reward_margin": 0.1,
                       "canary_refresh_samples": 300, "latency_p99_ratio": None},
     }  # the demo's own defaults: `LIVERL_*` variables still override each of them
+    if day:  # troughs last about a minute: lend after 10 s of no traffic
+        defaults["capacity"] = {"enabled": True, "lend_after_s": 10.0}
+        defaults["rollouts"] = {"environment": "coding", "levels": [1, 2], "group_size": 8, "max_tokens": 16}
     return settings_with_defaults(defaults, data_dir=Settings().data_dir / "demo")

@@ -25,16 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from liverl.settings import StarterPolicyConfig
 from policies.starter import build_starter_policy
 from rollouts.coding import LEVELS, CodingEnvironment
-from rollouts.environment import Task
-
-
-def first_lines(model, tokenizer, task: Task, samples: int, greedy: bool, max_tokens: int) -> list[str]:
-    ids = tokenizer(task.prompt, return_tensors="pt").input_ids
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=not greedy,
-                         temperature=None if greedy else 1.0, top_p=None, top_k=None,
-                         max_new_tokens=max_tokens, num_return_sequences=samples,
-                         pad_token_id=tokenizer.eos_token_id)
-    return [tokenizer.decode(row[ids.shape[1]:]).split("\n")[0] for row in out]
+from rollouts.evaluate import first_lines
 
 
 def main(model: Path | None = typer.Option(None, help="HF checkpoint; default: the starter policy."),

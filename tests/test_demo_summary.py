@@ -1,12 +1,17 @@
-"""The demo reports what users saw, not the best version's (biased) rate, and never wipes a running demo."""
+"""The demo reports what users saw, not the best version's (biased) rate, and never wipes a
+running demo; its simulated day has troughs with no traffic, and production latency is
+split by whether a replica was lent when each request was sent."""
 
 from __future__ import annotations
 
 import os
+import threading
+from datetime import datetime, timezone
 
 import pytest
 
-from app.demo import Tally, summary
+from app.demo import Population, Tally, capacity_summary, day_load, summary
+from liverl.contracts import CapacityEvent
 
 
 def tally(start: float, verdicts: list[bool]) -> Tally:
@@ -55,3 +60,28 @@ def test_a_second_demo_refuses_to_wipe_a_running_one(tmp_path, monkeypatch):
     result = CliRunner().invoke(app, ["demo", "--minutes", "0.1"])
     assert result.exit_code == 1 and "already running" in result.output
     assert manifest_file(settings).exists()
+
+
+def test_a_simulated_day_has_a_trough_without_traffic_and_a_full_peak():
+    day = 240.0
+    shares = [day_load(t, day) for t in range(0, 240)]
+    assert shares[0] == 0 and shares[120] == 1.0  # midnight and noon
+    trough = sum(share == 0 for share in shares) / len(shares)
+    assert 0.2 < trough < 0.35  # long enough to lend a replica
+    assert all(0 <= share <= 1 for share in shares)
+
+
+def test_capacity_summary_splits_latency_by_lent_periods():
+    pop = Population.__new__(Population)  # only what the summary reads: no stack needed
+    pop._lock, pop.started = threading.Lock(), 1_000.0
+    # Requests sent at 5 s (lent: 1 s) and 30 s (not lent: 3 s), and one that failed.
+    pop.requests = [(5.0, 1.0, True), (30.0, 3.0, True), (31.0, 0.1, False)]
+
+    def event(action: str, at: float, seconds: float = 0.0) -> CapacityEvent:
+        return CapacityEvent(action=action, replica="replica-1", policy_version="v1", load=0.0, why="test",
+                             seconds=seconds, timestamp=datetime.fromtimestamp(1_000.0 + at, timezone.utc))
+    result = capacity_summary(pop, [event("lend", 2.0), event("take_back", 20.0, seconds=1.5)], {"groups": 3})
+    assert result["lent"] == [(2.0, 20.0, "replica-1")]
+    assert result["latency_p99_s"] == {"lent": 1.0, "not_lent": 3.0}
+    assert result["take_back_s"]["max"] == 1.5 and result["production_failed"] == 1
+    assert result["rollout_groups"] == 3 and result["lent_seconds"] == 18.0
