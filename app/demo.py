@@ -281,25 +281,49 @@ def p99(values: list[float]) -> float | None:
     return sorted(values)[min(len(values) - 1, int(0.99 * len(values)))] if values else None
 
 
-def capacity_summary(pop: Population, events: list[CapacityEvent], rollouts: dict) -> dict:
+def harvest(lent: list[tuple[float, float, str]], load: list[tuple[float, int]],
+            tokens: list[tuple[float, int]]) -> dict:
+    """Rollout tokens/s over all lent time (take-backs, lends, production beside it included)
+    and over the seconds a replica was lent with no production traffic at all (what a lent
+    replica generates alone), from per-second samples of the worker's token count."""
+    users = dict(load)
+    lent_s = lent_tokens = quiet_s = quiet_tokens = 0.0
+    for (t0, n0), (t1, n1) in zip(tokens, tokens[1:]):
+        if not any(a <= t0 and t1 <= b for a, b, _ in lent):
+            continue
+        lent_s, lent_tokens = lent_s + t1 - t0, lent_tokens + n1 - n0
+        if users.get(t0, 1) == 0:
+            quiet_s, quiet_tokens = quiet_s + t1 - t0, quiet_tokens + n1 - n0
+    lent_rate = lent_tokens / lent_s if lent_s else None
+    quiet_rate = quiet_tokens / quiet_s if quiet_s else None
+    return {"tokens_per_s_lent": lent_rate, "tokens_per_s_alone": quiet_rate,
+            "share": lent_rate / quiet_rate if lent_rate is not None and quiet_rate else None}
+
+
+def capacity_summary(pop: Population, events: list[CapacityEvent], rollouts: dict,
+                     load: list[tuple[float, int]] = (), tokens: list[tuple[float, int]] = ()) -> dict:
     """What lending cost production and what it harvested: take-back times, failed
-    requests, production latency p99 while a replica was lent and while none was."""
+    requests, production latency p99 while a replica was lent and while none was, and
+    rollout tokens/s while lent against a lent replica's alone (`harvest`)."""
     end_s = time.time() - pop.started
     lent = lent_intervals(events, pop.started, end_s)
     with pop._lock:
         requests = list(pop.requests)
     during = [seconds for at, seconds, ok in requests if ok and any(a <= at < b for a, b, _ in lent)]
     outside = [seconds for at, seconds, ok in requests if ok and not any(a <= at < b for a, b, _ in lent)]
+    # Peaks: at least 3/4 of the users active, every replica back in production.
+    peak = [seconds for at, seconds, ok in requests if ok and pop.load is not None and pop.load(at) >= 0.75
+            and not any(a <= at < b for a, b, _ in lent)]
     take_backs = [e.seconds for e in events if e.action == "take_back"]
     return {"lends": sum(e.action == "lend" for e in events), "take_backs": len(take_backs),
             "take_back_s": {"median": statistics.median(take_backs) if take_backs else None,
                             "p99": p99(take_backs), "max": max(take_backs, default=None)},
             "lent_seconds": sum(b - a for a, b, _ in lent),
             "production_requests": len(requests), "production_failed": sum(not ok for _, _, ok in requests),
-            "latency_p99_s": {"lent": p99(during), "not_lent": p99(outside)},
+            "latency_p99_s": {"lent": p99(during), "not_lent": p99(outside), "peak": p99(peak)},
             "rollout_groups": rollouts.get("groups", 0), "rollout_groups_cut": rollouts.get("cut", 0),
             "rollout_completions": rollouts.get("completions", 0),
-            "lent": lent}
+            "harvest": harvest(lent, list(load), list(tokens)), "lent": lent}
 
 
 def heldout_by_version(settings: Settings, started: float, tasks: int, most: int = 6) -> list[dict]:
@@ -415,23 +439,27 @@ def run_demo(settings: Settings, minutes: float, users: int, seed: int, max_toke
         components = ("learner", "controller") + (("capacity", "rollouts") if day_minutes else ())
         urls = {name: settings.url(getattr(settings.ports, name)) + "/health" for name in components}
         status: dict[str, dict] = {name: {} for name in urls}
-        active: list[tuple[float, int]] = []
+        active: list[tuple[float, int]] = []  # (seconds, users active)
+        tokens: list[tuple[float, int]] = []  # (seconds, rollout tokens so far)
         with Live(live_table(pop, status), console=console, refresh_per_second=2) as live:
             while time.time() - pop.started < minutes * 60:
                 time.sleep(1)
-                active.append((time.time() - pop.started, pop.active()))
+                now = time.time() - pop.started
+                active.append((now, pop.active()))
                 for name, url in urls.items():
                     try:
                         status[name] = httpx.get(url, timeout=2).json()
                     except httpx.HTTPError:
                         pass
+                if "rollouts" in status:
+                    tokens.append((now, status["rollouts"].get("tokens", 0)))
                 live.update(live_table(pop, status))
         pop.stop(threads)
         day = None
         if day_minutes:
             from serving.capacity import read_events
 
-            day = capacity_summary(pop, read_events(settings), status["rollouts"])
+            day = capacity_summary(pop, read_events(settings), status["rollouts"], active, tokens)
             day["load"] = active
         drain(settings, settings.drain_timeout_s, say=lambda _: None)
         per_version = json.loads(httpx.post(settings.url(settings.ports.sink) + "/sql", timeout=60, json={

@@ -10,7 +10,7 @@ from datetime import datetime, timezone
 
 import pytest
 
-from app.demo import Population, Tally, capacity_summary, day_load, summary
+from app.demo import Population, Tally, capacity_summary, day_load, harvest, summary
 from liverl.contracts import CapacityEvent
 
 
@@ -73,7 +73,7 @@ def test_a_simulated_day_has_a_trough_without_traffic_and_a_full_peak():
 
 def test_capacity_summary_splits_latency_by_lent_periods():
     pop = Population.__new__(Population)  # only what the summary reads: no stack needed
-    pop._lock, pop.started = threading.Lock(), 1_000.0
+    pop._lock, pop.started, pop.load = threading.Lock(), 1_000.0, lambda t: 1.0 if t >= 25 else 0.0
     # Requests sent at 5 s (lent: 1 s) and 30 s (not lent: 3 s), and one that failed.
     pop.requests = [(5.0, 1.0, True), (30.0, 3.0, True), (31.0, 0.1, False)]
 
@@ -82,6 +82,16 @@ def test_capacity_summary_splits_latency_by_lent_periods():
                              seconds=seconds, timestamp=datetime.fromtimestamp(1_000.0 + at, timezone.utc))
     result = capacity_summary(pop, [event("lend", 2.0), event("take_back", 20.0, seconds=1.5)], {"groups": 3})
     assert result["lent"] == [(2.0, 20.0, "replica-1")]
-    assert result["latency_p99_s"] == {"lent": 1.0, "not_lent": 3.0}
+    assert result["latency_p99_s"] == {"lent": 1.0, "not_lent": 3.0, "peak": 3.0}
     assert result["take_back_s"]["max"] == 1.5 and result["production_failed"] == 1
     assert result["rollout_groups"] == 3 and result["lent_seconds"] == 18.0
+
+
+def test_harvest_compares_lent_time_with_a_lent_replica_alone():
+    lent = [(0.0, 4.0, "replica-1")]
+    load = [(0.0, 0), (1.0, 0), (2.0, 3), (3.0, 3), (4.0, 3)]  # users active at each second
+    tokens = [(0.0, 0), (1.0, 100), (2.0, 200), (3.0, 250), (4.0, 300), (5.0, 300)]
+    result = harvest(lent, load, tokens)
+    assert result["tokens_per_s_alone"] == 100  # 0-2 s: no production
+    assert result["tokens_per_s_lent"] == 75  # 0-4 s: 300 tokens; 4-5 s was not lent
+    assert result["share"] == 0.75
