@@ -334,7 +334,7 @@ class Learner:
             sample_ids=[s.sample_id for s in batch], actor="learner",
         )
         unnamed_state.replace(self.state_dir / f"{version.version}.pt")
-        if (gate := metrics.get("gate")) and gate["reason"].startswith("moved too far from stable"):
+        if (gate := metrics.get("gate")) and gate["too_far_from_stable"]:
             # Every version trained on top would be further still: continue from what users get.
             self.registry.request_rewind(self.registry.stable().version, "learner", f"{version.version} {gate['reason']}")
         # After the registry has it: a crash here re-reads the offsets from the registry.

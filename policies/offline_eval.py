@@ -30,6 +30,8 @@ class Estimate(BaseModel):
 class Verdict(BaseModel):
     passed: bool
     reason: str
+    too_far_from_stable: bool = Field(False, description="Failed on the KL ceiling: every version trained "
+                                      "on top would be further still (the learner rewinds).")
     candidate: Estimate
     parent: Estimate
     kl_from_stable: float | None = Field(None, description="Mean per-token KL(stable || candidate) on held-out "
@@ -86,8 +88,9 @@ def capped_is(log_ratio: torch.Tensor, rewards: torch.Tensor, cap: float = 10.0,
 
 def offline_check(candidate: Estimate, parent: Estimate, margin: float, min_ess: float,
                   kl_from_stable: float | None = None, max_kl: float | None = None) -> Verdict:
-    def verdict(passed: bool, reason: str) -> Verdict:
-        return Verdict(passed=passed, reason=reason, candidate=candidate, parent=parent, kl_from_stable=kl_from_stable)
+    def verdict(passed: bool, reason: str, too_far: bool = False) -> Verdict:
+        return Verdict(passed=passed, reason=reason, candidate=candidate, parent=parent,
+                       kl_from_stable=kl_from_stable, too_far_from_stable=too_far)
 
     if min(candidate.ess, parent.ess) < min_ess:
         return verdict(False, f"inconclusive: effective sample size {min(candidate.ess, parent.ess):.1f} < {min_ess}")
@@ -96,5 +99,5 @@ def offline_check(candidate: Estimate, parent: Estimate, margin: float, min_ess:
                               f"- margin {margin}")
     if max_kl is not None and kl_from_stable is not None and kl_from_stable > max_kl:
         # However good it looks on few samples, users would get a policy far from today's.
-        return verdict(False, f"moved too far from stable: KL {kl_from_stable:.4f} > ceiling {max_kl}")
+        return verdict(False, f"moved too far from stable: KL {kl_from_stable:.4f} > ceiling {max_kl}", too_far=True)
     return verdict(True, f"lower bound {candidate.lower:.3f} >= parent {parent.value:.3f} - {margin}")

@@ -101,6 +101,7 @@ class Scheduler:
         self.registry = Registry(settings.policies_dir)
         self.rules = Hysteresis(self.config)
         self.refreshed: dict[str, float] = {}
+        self.retry_at: dict[str, float] = {}  # replica -> when a failed take-back may be tried again
 
     def gateway_load(self) -> GatewayLoad:
         response = httpx.get(self.settings.url(self.settings.ports.gateway) + "/admin/load",
@@ -184,7 +185,12 @@ class Scheduler:
         if decision is None:
             self.refresh()
             return None
-        return (self.lend if decision.action == "lend" else self.take_back)(decision, asked_at)
+        if decision.action == "take_back" and time.time() < self.retry_at.get(decision.replica, 0.0):
+            return None  # its swap back failed a moment ago: not again at every poll
+        event = (self.lend if decision.action == "lend" else self.take_back)(decision, asked_at)
+        if event.action == "take_back" and event.error:
+            self.retry_at[decision.replica] = time.time() + self.config.retry_s
+        return event
 
     def run(self, stop: threading.Event) -> None:
         while not stop.is_set():

@@ -11,6 +11,7 @@ import time
 import pytest
 from helpers import serving_load, wait_for
 
+from liverl.contracts import CapacityEvent
 from liverl.kafka import make_producer
 from liverl.pool import ROLLOUT, Pool, Replica, read_pool
 from liverl.settings import CapacityConfig, RolloutsConfig
@@ -62,6 +63,28 @@ def test_take_back_at_once_above_the_upper_threshold_and_not_between_the_two():
     assert back.action == "take_back" and back.replica == "r0" and back.load == 2.0
     # Production wins over rollouts for a canary too, at no load at all.
     assert rules.decide(0.2, load(), lent, True).action == "take_back"
+
+
+def test_a_take_back_whose_swap_failed_is_retried_after_a_pause_not_at_every_poll(monkeypatch):
+    """A swap back to stable that fails (injected: a real replica cannot be made to fail on
+    demand here) leaves the replica out of production; the next polls do not hammer it."""
+    scheduler = Scheduler.__new__(Scheduler)
+    scheduler.config, scheduler.rules = CONFIG.model_copy(update={"retry_s": 60}), Hysteresis(CONFIG)
+    scheduler.settings, scheduler.retry_at = None, {}
+    monkeypatch.setattr("serving.capacity.read_pool", lambda settings: pool(lent=1))
+    monkeypatch.setattr(Scheduler, "gateway_load", lambda self: load({"r1": 1}, waiting=2))
+    monkeypatch.setattr(Scheduler, "canary_wanted", lambda self, p: False)
+    tries = []
+
+    def failing_take_back(self, decision, asked_at):
+        tries.append(decision.replica)
+        return CapacityEvent(action="take_back", replica=decision.replica, policy_version="v3",
+                             load=decision.load, why=decision.why, seconds=0.1, error="swap failed")
+    monkeypatch.setattr(Scheduler, "take_back", failing_take_back)
+    assert scheduler.step().error == "swap failed"
+    assert [scheduler.step() for _ in range(5)] == [None] * 5 and tries == ["r0"]
+    scheduler.retry_at["r0"] = 0.0  # the pause is over
+    assert scheduler.step().error == "swap failed" and tries == ["r0", "r0"]
 
 
 def test_hysteresis_needs_the_upper_threshold_above_the_lower():

@@ -132,6 +132,7 @@ def test_offline_gate_needs_evidence():
     # Better on the logs, but too far from what users get now: held at the gate.
     far = offline_check(better, same, margin=0.0, min_ess=5, kl_from_stable=0.3, max_kl=0.1)
     assert not far.passed and far.reason == "moved too far from stable: KL 0.3000 > ceiling 0.1"
+    assert far.too_far_from_stable
     assert offline_check(better, same, margin=0.0, min_ess=5, kl_from_stable=0.05, max_kl=0.1).passed
 
 
