@@ -252,9 +252,14 @@ def drain(settings: Settings, timeout: float, say: Callable[[str], None]) -> Non
     manifest = read_manifest(settings)
     pids = {c.name: c.pid for c in manifest.components} if manifest else {}
     deadline = time.time() + timeout
+    held: list[dict] = []  # successive readings where only incomplete groups hold the learner back
     while True:
         lags = {g: asyncio.run(group_lag(settings, g, topics)) for g, (_, topics) in groups.items()}
         if not any(lags.values()):
+            return
+        if only_open_groups_left(settings, lags, held):
+            say(f"  drained; {held[-1]['open_groups']} incomplete rollout groups hold "
+                f"{lags['liverl-learner']} learner offsets back: read again, whole, at the next start")
             return
         for group, (component, _) in groups.items():
             if lags[group] and component in pids and not alive(pids[component]):
@@ -270,14 +275,34 @@ def drain(settings: Settings, timeout: float, say: Callable[[str], None]) -> Non
         time.sleep(1.0)
 
 
+def only_open_groups_left(settings: Settings, lags: dict[str, int], held: list[dict]) -> bool:
+    """Whether the learner's lag is all held by groups still missing members (nothing else
+    lags, nothing pending, the lag unchanged over three readings): waiting cannot end it,
+    and nothing is lost, since uncommitted offsets are read again."""
+    if not settings.learner.enabled or any(lag for g, lag in lags.items() if g != "liverl-learner"):
+        held.clear()
+        return False
+    try:
+        health = httpx.get(settings.url(settings.ports.learner) + "/health", timeout=5).json()
+    except httpx.HTTPError:
+        return False
+    reading = {"lag": lags["liverl-learner"], "pending": health.get("pending"),
+               "open_groups": health.get("open_groups", 0)}
+    if reading["pending"] or not reading["open_groups"] or (held and held[-1] != reading):
+        held.clear()
+    if reading["open_groups"] and not reading["pending"]:
+        held.append(reading)
+    return len(held) >= 3
+
+
 def down(settings: Settings, say: Callable[[str], None] = print, force: bool = False) -> None:
     manifest = read_manifest(settings)
     if manifest is None:
         say("nothing to stop")
         return
     by_name = {c.name: c for c in manifest.components}
-    # New traffic stops first; then everything in flight is drained; then the rest.
-    for name in ("gateway", "api"):
+    # New traffic (production, rollouts) stops first; then everything in flight is drained; then the rest.
+    for name in ("gateway", "api", "rollouts", "capacity"):
         if name in by_name:
             stop_pid(by_name[name].pid)
     if not force and "broker" in by_name and alive(by_name["broker"].pid):

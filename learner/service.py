@@ -412,7 +412,9 @@ def create_app(settings: Settings) -> tuple[FastAPI, Learner]:
     @app.get("/health")
     def health() -> dict:
         return {"ok": True, "version": learner.current.version, "pending": len(learner.pending),
-                "paused": learner.paused.is_set(), "dropped_since_last_version": dict(learner.dropped)}
+                "paused": learner.paused.is_set(), "dropped_since_last_version": dict(learner.dropped),
+                # Groups still missing members: their offsets stay uncommitted (read again after a restart).
+                "open_groups": sum(not g.complete for g in learner.open_groups.values())}
 
     @app.post("/pause")
     def pause(reason: str = "", wait_s: float = Query(600.0, ge=0, le=3600, description=(
