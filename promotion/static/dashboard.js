@@ -50,7 +50,9 @@ function render(state) {
   const pinned = c.pinned ? ` · stable pinned by ${c.pinned.actor}: ${c.pinned.reason}` : "";
   $("#aliases").textContent = (aliases || "no aliases") + canary + pinned;
   fill("#replicas", state.serving.replicas.map((r) =>
-    row([r.name, r.version, !r.enabled ? "no (swapping)" : r.alias ? `only alias ${r.alias}` : "yes",
+    row([r.name, r.version,
+         r.alias === "rollout" ? (r.enabled ? "lent to rollouts" : "lent; being taken back")
+           : !r.enabled ? "no (swapping)" : r.alias ? `only alias ${r.alias}` : "yes",
          r.in_sync ? "yes" : "no"])));
   const learner = state.learner;
   const learnerRows = learner.error ? [["status", learner.error]] : [
