@@ -266,15 +266,30 @@ def day_panel(ax, day: dict) -> None:
 
 
 def lent_intervals(events: list[CapacityEvent], started: float, end_s: float) -> list[tuple[float, float, str]]:
-    """(from, to, replica) in seconds since `started` for each period a replica was lent."""
+    """(from, to, replica) in seconds since `started` for each period a replica was out of
+    production for rollouts: from its lend to the take-back that succeeded."""
     intervals, open_at = [], {}
     for e in events:
         at = e.timestamp.timestamp() - started
         if e.action == "lend":
             open_at[e.replica] = at
-        elif e.replica in open_at:
+        elif e.error is None and e.replica in open_at:
             intervals.append((open_at.pop(e.replica), at, e.replica))
     return intervals + [(at, end_s, replica) for replica, at in open_at.items()]
+
+
+def take_back_seconds(events: list[CapacityEvent]) -> list[float]:
+    """Per take-back that succeeded, seconds from the load reading that first asked for it
+    (a failed attempt's, if its swap back failed first) to the replica serving production."""
+    seconds, first_asked = [], {}
+    for e in events:
+        if e.action != "take_back":
+            continue
+        asked = first_asked.setdefault(e.replica, e.timestamp.timestamp() - e.seconds)
+        if e.error is None:
+            seconds.append(e.timestamp.timestamp() - asked)
+            del first_asked[e.replica]
+    return seconds
 
 
 def p99(values: list[float]) -> float | None:
@@ -314,7 +329,7 @@ def capacity_summary(pop: Population, events: list[CapacityEvent], rollouts: dic
     # Peaks: at least 3/4 of the users active, every replica back in production.
     peak = [seconds for at, seconds, ok in requests if ok and pop.load is not None and pop.load(at) >= 0.75
             and not any(a <= at < b for a, b, _ in lent)]
-    take_backs = [e.seconds for e in events if e.action == "take_back"]
+    take_backs = take_back_seconds(events)
     return {"lends": sum(e.action == "lend" for e in events), "take_backs": len(take_backs),
             "take_back_s": {"median": statistics.median(take_backs) if take_backs else None,
                             "p99": p99(take_backs), "max": max(take_backs, default=None)},
@@ -427,7 +442,7 @@ def run_demo(settings: Settings, minutes: float, users: int, seed: int, max_toke
     idle replicas are lent to rollouts (the settings must enable the capacity scheduler)."""
     import httpx
 
-    from app.stack import StackError, down, drain, up
+    from app.stack import StackError, down, drain, stop_sources, up
 
     console.print("[bold]starting the embedded stack[/bold]")
     up(settings, say=console.print)
@@ -455,6 +470,7 @@ def run_demo(settings: Settings, minutes: float, users: int, seed: int, max_toke
                     tokens.append((now, status["rollouts"].get("tokens", 0)))
                 live.update(live_table(pop, status))
         pop.stop(threads)
+        stop_sources(settings, ("rollouts", "capacity"))  # a trough at the end would feed the drain forever
         day = None
         if day_minutes:
             from serving.capacity import read_events

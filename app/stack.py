@@ -275,6 +275,17 @@ def drain(settings: Settings, timeout: float, say: Callable[[str], None]) -> Non
         time.sleep(1.0)
 
 
+SOURCES = ("gateway", "api", "rollouts", "capacity")  # where new events come from: production and rollouts
+
+
+def stop_sources(settings: Settings, names: tuple[str, ...] = SOURCES) -> None:
+    """Stop the components among `names` that new events come from, so a drain can end."""
+    manifest = read_manifest(settings)
+    for component in manifest.components if manifest else []:
+        if component.name in names:
+            stop_pid(component.pid)
+
+
 def only_open_groups_left(settings: Settings, lags: dict[str, int], held: list[dict]) -> bool:
     """Whether the learner's lag is all held by groups still missing members (nothing else
     lags, nothing pending, the lag unchanged over three readings): waiting cannot end it,
@@ -301,10 +312,8 @@ def down(settings: Settings, say: Callable[[str], None] = print, force: bool = F
         say("nothing to stop")
         return
     by_name = {c.name: c for c in manifest.components}
-    # New traffic (production, rollouts) stops first; then everything in flight is drained; then the rest.
-    for name in ("gateway", "api", "rollouts", "capacity"):
-        if name in by_name:
-            stop_pid(by_name[name].pid)
+    # New traffic stops first; then everything in flight is drained; then the rest.
+    stop_sources(settings)
     if not force and "broker" in by_name and alive(by_name["broker"].pid):
         drain(settings, settings.drain_timeout_s, say)
     stop_all(settings, manifest.components)

@@ -32,9 +32,10 @@ class Segment:
 
 
 def multi_turn(t: Trajectory) -> bool:
-    """Whether the learner trains `t` from its turns. Turns without token ids are a record of
-    the conversation only (an SDK may send them so), and `t` trains as prompt + completion."""
-    return bool(t.turns) and any(turn.token_ids is not None for turn in t.turns)
+    """Whether the learner trains `t` from its turns: only if every turn has its token ids.
+    Otherwise the turns are a record of the conversation (an SDK may send them so, with ids
+    on the policy's turns alone), and `t` trains as prompt + completion."""
+    return bool(t.turns) and all(turn.token_ids for turn in t.turns)
 
 
 def segments(t: Trajectory) -> list[Segment]:
@@ -74,8 +75,6 @@ def written_tokens(t: Trajectory) -> int:
 
 def turns_problem(t: Trajectory, vocab_size: int) -> str | None:
     """Why a multi-turn trajectory's turns cannot be trained on, or None."""
-    if missing := [i for i, turn in enumerate(t.turns) if not turn.token_ids]:
-        return f"turns {missing[:5]}: every turn of a multi-turn trajectory needs the token ids it had in context"
     for i, turn in enumerate(t.turns):
         if not all(0 <= x < vocab_size for x in turn.token_ids):
             return f"turn {i}: token ids must be in [0, {vocab_size})"

@@ -95,6 +95,8 @@ def problem(sample: RewardedSample, arch: Architecture) -> str | None:
     if multi_turn(t):
         return turns_problem(t, arch.vocab_size)
     if not t.prompt_token_ids or not t.completion_token_ids:
+        if t.turns and any(turn.token_ids for turn in t.turns):
+            return "no prompt or completion token ids, and not every turn has the token ids it had in context"
         return "no prompt or completion token ids"
     if len(t.completion_logprobs) != len(t.completion_token_ids):
         return "behaviour logprobs do not match the completion tokens"

@@ -13,6 +13,8 @@ tool reply is cut to the room that leaves, as an agent harness truncates long to
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +28,10 @@ from rollouts.environment import MultiTurnEnvironment, Task
 
 class Cut(Exception):
     """A request of the episode did not complete (the replica was taken back, or failed)."""
+
+
+class Misconfigured(ValueError):
+    """The settings cannot run this environment's episodes: no group can succeed."""
 
 
 @dataclass
@@ -48,8 +54,12 @@ async def tokenize(client: httpx.AsyncClient, text: str, first: bool = False) ->
 
 
 async def generate(client: httpx.AsyncClient, context: list[int], max_tokens: int, config: RolloutsConfig,
-                   task: Task) -> dict[str, Any]:
-    """One turn of the policy after `context`: its text, token ids and behaviour logprobs."""
+                   task: Task, still_lent: Callable[[], bool]) -> dict[str, Any]:
+    """One turn of the policy after `context`: its text, token ids and behaviour logprobs.
+    Asked only while the replica is still lent on the episode's version: a take-back aborts
+    the requests in flight, and this stops the ones an episode would send after it."""
+    if not still_lent():
+        raise Cut("the replica was taken back or moved to another version")
     try:
         response = await client.post("/v1/completions", json={
             "model": SERVED_MODEL_NAME, "prompt": context, "max_tokens": max_tokens,
@@ -67,8 +77,9 @@ async def generate(client: httpx.AsyncClient, context: list[int], max_tokens: in
 
 
 async def play(client: httpx.AsyncClient, environment: MultiTurnEnvironment, task: Task,
-               config: RolloutsConfig, limit: int) -> Episode:
-    """The episode's turns, from the task to the environment's end (raises `Cut`)."""
+               config: RolloutsConfig, limit: int, still_lent: Callable[[], bool], tools: Executor) -> Episode:
+    """The episode's turns, from the task to the environment's end (raises `Cut`); the
+    environment's tool runs on `tools`."""
     request = await tokenize(client, environment.summary_request)
     before, after = environment.resume(task)
     resume_before, resume_after = await tokenize(client, before, first=True), await tokenize(client, after)
@@ -76,7 +87,7 @@ async def play(client: httpx.AsyncClient, environment: MultiTurnEnvironment, tas
     summary_room = len(request) + config.summary_tokens
     needed = len(resume_before) + config.summary_tokens + len(resume_after) + config.max_tokens + summary_room
     if needed > limit:
-        raise ValueError(f"rollouts.context_tokens: {limit} tokens cannot hold a resumed context, a turn and "
+        raise Misconfigured(f"rollouts.context_tokens: {limit} tokens cannot hold a resumed context, a turn and "
                          f"a summary ({needed} tokens for this task); raise it or lower max_tokens/summary_tokens")
     context = await tokenize(client, task.prompt, first=True)
     turns = [Turn(role="user", content=task.prompt, token_ids=list(context))]
@@ -85,7 +96,7 @@ async def play(client: httpx.AsyncClient, environment: MultiTurnEnvironment, tas
     while len(attempts) < environment.max_turns:
         if len(context) + config.max_tokens + summary_room > limit:
             turns.append(Turn(role="user", content=environment.summary_request, token_ids=request))
-            written = await generate(client, context + request, config.summary_tokens, config, task)
+            written = await generate(client, context + request, config.summary_tokens, config, task, still_lent)
             if not written["token_ids"]:
                 raise Cut("the replica wrote an empty summary")
             turns.append(Turn(role="summary", content=written["text"], token_ids=written["token_ids"],
@@ -95,7 +106,7 @@ async def play(client: httpx.AsyncClient, environment: MultiTurnEnvironment, tas
             segment_start = len(turns)
             turns.append(Turn(role="user", content=before + written["text"] + after, token_ids=list(context)))
             summaries += 1
-        written = await generate(client, context, config.max_tokens, config, task)
+        written = await generate(client, context, config.max_tokens, config, task, still_lent)
         if not written["token_ids"]:
             raise Cut("the replica wrote an empty turn")
         turns.append(Turn(role="assistant", content=written["text"], token_ids=written["token_ids"],
@@ -103,7 +114,7 @@ async def play(client: httpx.AsyncClient, environment: MultiTurnEnvironment, tas
         context += written["token_ids"]
         attempts.append(written["text"])
         # The environment's tool (a sandbox run) blocks: off the event loop the other groups share.
-        reply = await asyncio.get_running_loop().run_in_executor(None, environment.respond, task, list(attempts))
+        reply = await asyncio.get_running_loop().run_in_executor(tools, environment.respond, task, list(attempts))
         if reply is None:
             break
         # The reply is cut to what leaves room for a summary request and a summary.

@@ -46,7 +46,7 @@ from rollouts.environment import (
     Task,
     load_environment,
 )
-from rollouts.episode import Cut, play
+from rollouts.episode import Cut, Misconfigured, play
 
 GROUPS = Counter("liverl_rollout_groups_total", "Rollout groups: published whole, cut (never published) "
                  "or failed", ["outcome"])
@@ -71,7 +71,7 @@ def lent_replicas(settings: Settings) -> list[Replica]:
 class RolloutWorker:
     def __init__(self, settings: Settings, environment: Environment | None = None, seed: int | None = None):
         self.settings, self.config = settings, settings.rollouts
-        kwargs = {"levels": self.config.levels} if self.config.environment.startswith("coding") else {}
+        kwargs = {"levels": self.config.levels} if self.config.environment in ("coding", "coding-feedback") else {}
         self.environment = environment or load_environment(self.config.environment, **kwargs)
         # A multi-turn episode's context: the replicas' window unless set shorter.
         self.context_tokens = self.config.context_tokens or settings.serving.max_model_len
@@ -81,6 +81,7 @@ class RolloutWorker:
         self.tasks = self.environment.tasks("train", random.Random(seed))
         self.scoring = ThreadPoolExecutor(self.config.scoring_threads)  # the sandbox waits in poll
         self.counts: Tally[str] = Tally()  # groups, cut, completions, tokens
+        self.misconfigured: str | None = None  # set once no group can succeed with these settings
 
     def request(self, task: Task) -> dict[str, Any]:
         """One request for the whole group: G samples of the task at the rollout temperature."""
@@ -88,15 +89,25 @@ class RolloutWorker:
                 "max_tokens": self.config.max_tokens, "temperature": self.config.temperature,
                 "logprobs": 0, "return_token_ids": True, "stop": list(task.stop) or None}
 
-    async def attempts(self, client: httpx.AsyncClient, task: Task) -> list[Attempt] | None:
+    def still_lent(self, replica: Replica) -> bool:
+        """`replica` is still lent to rollouts, enabled, on the version the group started on."""
+        now = next((r for r in lent_replicas(self.settings) if r.name == replica.name), None)
+        return now is not None and now.policy_version == replica.policy_version
+
+    async def attempts(self, client: httpx.AsyncClient, task: Task, replica: Replica) -> list[Attempt] | None:
         """The group's G attempts at `task`, or None if any did not complete (taken back, aborted)."""
         if not isinstance(self.environment, MultiTurnEnvironment):
             return await self.sample(client, task)
         try:
-            episodes = await asyncio.gather(*(play(client, self.environment, task, self.config, self.context_tokens)
-                                              for _ in range(self.config.group_size)))
-        except Cut:
+            async with asyncio.TaskGroup() as group:  # one episode cut cancels the others
+                running = [group.create_task(play(client, self.environment, task, self.config, self.context_tokens,
+                                                  lambda: self.still_lent(replica), self.scoring))
+                           for _ in range(self.config.group_size)]
+        except ExceptionGroup as errors:
+            if (other := next((e for e in errors.exceptions if not isinstance(e, Cut)), None)) is not None:
+                raise other from None  # misconfigured, or a broken environment
             return None
+        episodes = [r.result() for r in running]
         self.counts["summaries"] += sum(e.summaries for e in episodes)
         return [Attempt(e.final, {"turns": e.turns},
                         sum(len(t.token_ids or []) for t in e.turns if t.role in ("assistant", "summary")))
@@ -148,7 +159,7 @@ class RolloutWorker:
                         replica: Replica) -> list[Trajectory] | None:
         """One task's group on `replica`, published whole: its trajectories, or None if it was cut."""
         task = next(self.tasks)
-        attempts = await self.attempts(client, task)
+        attempts = await self.attempts(client, task, replica)
         if attempts is None:
             self.counts["cut"] += 1
             GROUPS.labels("cut").inc()
@@ -169,11 +180,15 @@ class RolloutWorker:
         running: dict[str, asyncio.Task] = {}
         try:
             while not stop.is_set():
-                for replica in lent_replicas(self.settings):
+                for replica in [] if self.misconfigured else lent_replicas(self.settings):
                     if (previous := running.get(replica.name)) is not None:
                         if not previous.done():
                             continue
-                        if (error := previous.exception()) is not None:  # e.g. the broker or the sandbox
+                        if isinstance(error := previous.exception(), Misconfigured):
+                            self.misconfigured = str(error)  # shown by /health; no more groups
+                            log(logger, "rollouts stopped: misconfigured", error=self.misconfigured)
+                            break
+                        if error is not None:  # e.g. the broker or the sandbox
                             GROUPS.labels("failed").inc()
                             log(logger, "rollout group failed", replica=replica.name, error=repr(error))
                             await asyncio.sleep(1.0)  # not a tight loop while it lasts
@@ -194,7 +209,8 @@ async def main(settings: Settings) -> None:
 
     @app.get("/health")
     def health() -> dict:
-        return {"ok": True, "lent": [r.name for r in lent_replicas(settings)], **worker.counts}
+        return {"ok": worker.misconfigured is None, "error": worker.misconfigured,
+                "lent": [r.name for r in lent_replicas(settings)], **worker.counts}
 
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)

@@ -72,13 +72,19 @@ class Hysteresis:
         self.config = config
         self.quiet_since: float | None = None
 
-    def decide(self, now: float, load: GatewayLoad, pool: Pool, canary_wanted: bool) -> Decision | None:
+    def decide(self, now: float, load: GatewayLoad, pool: Pool, canary_wanted: bool,
+               backing_off: frozenset[str] = frozenset()) -> Decision | None:
+        """Lend, take back (a lent replica not in `backing_off`: its last take-back failed a
+        moment ago), or nothing."""
         busy = production_load(load, pool)
-        if pool.lent and (busy > self.config.take_back_above or canary_wanted):
+        takeable = [r for r in pool.lent if r.name not in backing_off]
+        if stuck := [r for r in takeable if not r.enabled]:  # a take-back that failed is finished, whatever the load
+            return Decision("take_back", stuck[0].name, busy, "retrying a take-back whose swap failed")
+        if takeable and (busy > self.config.take_back_above or canary_wanted):
             self.quiet_since = None
             why = (f"load {busy:.2f} per production replica > {self.config.take_back_above}"
                    if busy > self.config.take_back_above else "a canary needs the replica")
-            return Decision("take_back", pool.lent[0].name, busy, why)
+            return Decision("take_back", takeable[0].name, busy, why)
         if busy > self.config.lend_below:
             self.quiet_since = None
             return None
@@ -155,7 +161,8 @@ class Scheduler:
         """Lent replicas follow the learner's newest version every `refresh_s`."""
         newest = self.rollout_version()
         for replica in read_pool(self.settings).lent:
-            if (replica.policy_version != newest.version
+            if (replica.enabled  # disabled: being taken back (its swap back failed), never re-lent here
+                    and replica.policy_version != newest.version
                     and time.time() - self.refreshed.get(replica.name, 0) >= self.config.refresh_s):
                 self.move(replica.name, newest)
                 set_replica(self.settings, replica.name, enabled=True)
@@ -181,12 +188,13 @@ class Scheduler:
     def step(self) -> CapacityEvent | None:
         asked_at = time.time()
         pool = read_pool(self.settings)
-        decision = self.rules.decide(time.monotonic(), self.gateway_load(), pool, self.canary_wanted(pool))
+        # A replica whose swap back failed a moment ago is not tried again at every poll.
+        backing_off = frozenset(name for name, at in self.retry_at.items() if time.time() < at)
+        decision = self.rules.decide(time.monotonic(), self.gateway_load(), pool, self.canary_wanted(pool),
+                                     backing_off)
         if decision is None:
             self.refresh()
             return None
-        if decision.action == "take_back" and time.time() < self.retry_at.get(decision.replica, 0.0):
-            return None  # its swap back failed a moment ago: not again at every poll
         event = (self.lend if decision.action == "lend" else self.take_back)(decision, asked_at)
         if event.action == "take_back" and event.error:
             self.retry_at[decision.replica] = time.time() + self.config.retry_s

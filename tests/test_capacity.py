@@ -63,6 +63,15 @@ def test_take_back_at_once_above_the_upper_threshold_and_not_between_the_two():
     assert back.action == "take_back" and back.replica == "r0" and back.load == 2.0
     # Production wins over rollouts for a canary too, at no load at all.
     assert rules.decide(0.2, load(), lent, True).action == "take_back"
+    # A replica whose take-back failed a moment ago waits; another lent one is taken instead.
+    two_lent = pool(lent=2, replicas=3)
+    assert rules.decide(0.3, load({"r2": 3}), two_lent, False, frozenset({"r0"})).replica == "r1"
+    assert rules.decide(0.4, load({"r2": 3}), two_lent, False, frozenset({"r0", "r1"})) is None
+    # Once its pause is over, a failed take-back is finished even if the load fell meanwhile.
+    stuck = Pool(replicas=[r.model_copy(update={"enabled": r.name != "r0"}) for r in lent.replicas],
+                 aliases=lent.aliases)
+    assert rules.decide(0.5, load(), stuck, False).action == "take_back"
+    assert rules.decide(0.6, load(), stuck, False, frozenset({"r0"})) is None
 
 
 def test_a_take_back_whose_swap_failed_is_retried_after_a_pause_not_at_every_poll(monkeypatch):
@@ -74,6 +83,8 @@ def test_a_take_back_whose_swap_failed_is_retried_after_a_pause_not_at_every_pol
     monkeypatch.setattr("serving.capacity.read_pool", lambda settings: pool(lent=1))
     monkeypatch.setattr(Scheduler, "gateway_load", lambda self: load({"r1": 1}, waiting=2))
     monkeypatch.setattr(Scheduler, "canary_wanted", lambda self, p: False)
+    refreshed = []
+    monkeypatch.setattr(Scheduler, "refresh", lambda self: refreshed.append(True))
     tries = []
 
     def failing_take_back(self, decision, asked_at):

@@ -10,7 +10,16 @@ from datetime import datetime, timezone
 
 import pytest
 
-from app.demo import Population, Tally, capacity_summary, day_load, harvest, summary
+from app.demo import (
+    Population,
+    Tally,
+    capacity_summary,
+    day_load,
+    harvest,
+    lent_intervals,
+    summary,
+    take_back_seconds,
+)
 from liverl.contracts import CapacityEvent
 
 
@@ -95,3 +104,12 @@ def test_harvest_compares_lent_time_with_a_lent_replica_alone():
     assert result["tokens_per_s_alone"] == 100  # 0-2 s: no production
     assert result["tokens_per_s_lent"] == 75  # 0-4 s: 300 tokens; 4-5 s was not lent
     assert result["share"] == 0.75
+
+
+def test_a_failed_take_back_keeps_the_replica_lent_until_the_retry_and_counts_from_the_first_ask():
+    def event(action: str, at: float, seconds: float = 0.0, error: str | None = None) -> CapacityEvent:
+        return CapacityEvent(action=action, replica="replica-1", policy_version="v1", load=2.0, why="test",
+                             seconds=seconds, error=error, timestamp=datetime.fromtimestamp(at, timezone.utc))
+    events = [event("lend", 10.0), event("take_back", 20.0, 1.0, error="swap failed"), event("take_back", 31.0, 0.5)]
+    assert lent_intervals(events, 0.0, 40.0) == [(10.0, 31.0, "replica-1")]
+    assert take_back_seconds(events) == [12.0]  # asked at 19 s, serving production at 31 s
