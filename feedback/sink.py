@@ -85,7 +85,7 @@ def trajectory_row(t: Trajectory) -> dict:
     return dict(event_id=t.event_id, tenant=t.tenant, timestamp=_ts(t.timestamp),
                 completion_id=t.completion_id, group_id=t.group_id,
                 policy_version=t.policy_version, replica=t.replica or "", source=t.source,
-                prompt_tokens=len(t.prompt_token_ids), completion_tokens=len(t.completion_token_ids),
+                prompt_tokens=t.token_counts()[0], completion_tokens=t.token_counts()[1],
                 finish_reason=t.finish_reason or "", latency_ms=t.latency_ms,
                 has_routed_experts=int(t.routed_experts is not None),
                 prompt_text=t.prompt_text, completion_text=t.completion_text,
@@ -139,7 +139,7 @@ class Sink:
                    policy_version=s.trajectory.policy_version, reward=s.reward,
                    reward_source=s.reward_source, reward_fn_version=s.reward_fn_version,
                    accepted=None if not judged else int(s.accepted),
-                   completion_tokens=len(s.trajectory.completion_token_ids),
+                   completion_tokens=s.trajectory.token_counts()[1],
                    reward_delta=s.reward, accepted_delta=int(bool(s.accepted)),
                    judged_delta=int(judged), count_delta=1, source=s.trajectory.source)
         earlier = batch.get(s.sample_id)

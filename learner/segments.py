@@ -18,9 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from liverl.contracts import Trajectory, Turn
-
-WRITTEN_ROLES = ("assistant", "summary")  # the policy's own turns: the only ones trained
+from liverl.contracts import WRITTEN_ROLES, Trajectory, Turn
 
 
 @dataclass(frozen=True)

@@ -78,6 +78,9 @@ class SamplingParams(Strict):
     seed: int | None = None
 
 
+WRITTEN_ROLES = ("assistant", "summary")  # the turns the policy itself wrote (sampled, trained)
+
+
 class Turn(Strict):
     """One step of a multi-turn trajectory (agents: tool calls, many turns)."""
 
@@ -123,6 +126,14 @@ class Trajectory(Strict):
     turns: list[Turn] | None = Field(None, description="Multi-turn agent trajectories.")
     latency_ms: float | None = None
     time_to_first_token_ms: float | None = None
+
+    def token_counts(self) -> tuple[int, int]:
+        """(tokens read, tokens written): prompt and completion, or over a multi-turn
+        trajectory's turns, the policy's own turns written and every other turn read."""
+        if not self.turns or not any(turn.token_ids for turn in self.turns):
+            return len(self.prompt_token_ids), len(self.completion_token_ids)
+        written = sum(len(t.token_ids or []) for t in self.turns if t.role in WRITTEN_ROLES)
+        return sum(len(t.token_ids or []) for t in self.turns) - written, written
 
     @model_validator(mode="after")
     def _sized_groups_are_named(self):

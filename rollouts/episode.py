@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 
-from liverl.contracts import Turn
+from liverl.contracts import WRITTEN_ROLES, Turn
 from liverl.pool import SERVED_MODEL_NAME
 from liverl.settings import RolloutsConfig
 from rollouts.environment import MultiTurnEnvironment, Task
@@ -39,6 +39,10 @@ class Episode:
     turns: list[Turn]
     final: str  # the last attempt's text: what the environment scores
     summaries: int
+
+    @property
+    def written_tokens(self) -> int:
+        return sum(len(t.token_ids or []) for t in self.turns if t.role in WRITTEN_ROLES)
 
 
 async def tokenize(client: httpx.AsyncClient, text: str, first: bool = False) -> list[int]:

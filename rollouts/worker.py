@@ -109,9 +109,7 @@ class RolloutWorker:
             return None
         episodes = [r.result() for r in running]
         self.counts["summaries"] += sum(e.summaries for e in episodes)
-        return [Attempt(e.final, {"turns": e.turns},
-                        sum(len(t.token_ids or []) for t in e.turns if t.role in ("assistant", "summary")))
-                for e in episodes]
+        return [Attempt(e.final, {"turns": e.turns}, e.written_tokens) for e in episodes]
 
     async def sample(self, client: httpx.AsyncClient, task: Task) -> list[Attempt] | None:
         """The group's completions in one request, or None if it did not complete."""

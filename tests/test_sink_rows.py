@@ -96,3 +96,12 @@ OLD_ROLLUP = [  # the rollup's schema before it had a source (Nov 24)
            toInt64(sum(accepted_delta)) AS accepted, toInt64(sum(judged_delta)) AS judged
     FROM samples GROUP BY tenant, policy_version, hour""",
 ]
+
+
+def test_a_multi_turn_trajectory_counts_the_tokens_the_policy_wrote():
+    from liverl.contracts import Turn
+
+    t = Trajectory(event_id="m", tenant="acme", completion_id="m", policy_version="v1", source="rollout", turns=[
+        Turn(role="user", token_ids=[1, 2, 3]), Turn(role="assistant", token_ids=[4, 5], logprobs=[-1.0, -1.0]),
+        Turn(role="tool", token_ids=[6]), Turn(role="summary", token_ids=[7], logprobs=[-1.0])])
+    assert t.token_counts() == (4, 3)
