@@ -190,8 +190,11 @@ class Scheduler:
         pool = read_pool(self.settings)
         # A replica whose swap back failed a moment ago is not tried again at every poll.
         backing_off = frozenset(name for name, at in self.retry_at.items() if time.time() < at)
-        decision = self.rules.decide(time.monotonic(), self.gateway_load(), pool, self.canary_wanted(pool),
-                                     backing_off)
+        load = self.gateway_load()
+        # A canary is judged on production traffic: in a trough with none it could only wait,
+        # so a candidate does not take a replica back from rollouts until traffic returns.
+        canary = load.requests_per_s > 0 and self.canary_wanted(pool)
+        decision = self.rules.decide(time.monotonic(), load, pool, canary, backing_off)
         if decision is None:
             self.refresh()
             return None

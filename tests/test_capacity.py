@@ -26,8 +26,8 @@ def pool(lent: int = 0, replicas: int = 2, canary: bool = False) -> Pool:
                 aliases={"stable": "v3", **({"canary": "v4"} if canary else {})})
 
 
-def load(in_flight: dict[str, int] | None = None, waiting: int = 0) -> GatewayLoad:
-    return GatewayLoad(in_flight=in_flight or {}, waiting=waiting, requests_per_s=0.0, window_s=5.0)
+def load(in_flight: dict[str, int] | None = None, waiting: int = 0, requests_per_s: float = 0.0) -> GatewayLoad:
+    return GatewayLoad(in_flight=in_flight or {}, waiting=waiting, requests_per_s=requests_per_s, window_s=5.0)
 
 
 CONFIG = CapacityConfig(lend_below=0.5, lend_after_s=10, take_back_above=1.0, min_production_replicas=1)
@@ -81,7 +81,7 @@ def test_a_take_back_whose_swap_failed_is_retried_after_a_pause_not_at_every_pol
     scheduler.config, scheduler.rules = CONFIG.model_copy(update={"retry_s": 60}), Hysteresis(CONFIG)
     scheduler.settings, scheduler.retry_at = None, {}
     monkeypatch.setattr("serving.capacity.read_pool", lambda settings: pool(lent=1))
-    monkeypatch.setattr(Scheduler, "gateway_load", lambda self: load({"r1": 1}, waiting=2))
+    monkeypatch.setattr(Scheduler, "gateway_load", lambda self: load({"r1": 1}, waiting=2, requests_per_s=1.0))
     monkeypatch.setattr(Scheduler, "canary_wanted", lambda self, p: False)
     refreshed = []
     monkeypatch.setattr(Scheduler, "refresh", lambda self: refreshed.append(True))
@@ -96,6 +96,22 @@ def test_a_take_back_whose_swap_failed_is_retried_after_a_pause_not_at_every_pol
     assert [scheduler.step() for _ in range(5)] == [None] * 5 and tries == ["r0"]
     scheduler.retry_at["r0"] = 0.0  # the pause is over
     assert scheduler.step().error == "swap failed" and tries == ["r0", "r0"]
+
+
+def test_a_candidate_takes_a_replica_back_only_when_there_is_traffic_to_judge_it(monkeypatch):
+    scheduler = Scheduler.__new__(Scheduler)
+    scheduler.config, scheduler.rules, scheduler.retry_at = CONFIG, Hysteresis(CONFIG), {}
+    monkeypatch.setattr("serving.capacity.read_pool", lambda settings: pool(lent=1))
+    monkeypatch.setattr(Scheduler, "canary_wanted", lambda self, p: True)
+    monkeypatch.setattr(Scheduler, "refresh", lambda self: None)
+    monkeypatch.setattr(Scheduler, "take_back", lambda self, decision, asked_at: CapacityEvent(
+        action="take_back", replica=decision.replica, policy_version="v3", load=decision.load, why=decision.why,
+        seconds=0.1))
+    scheduler.settings = None
+    monkeypatch.setattr(Scheduler, "gateway_load", lambda self: load())  # a trough: nobody to judge it
+    assert scheduler.step() is None
+    monkeypatch.setattr(Scheduler, "gateway_load", lambda self: load(requests_per_s=0.5))
+    assert scheduler.step().why == "a canary needs the replica"
 
 
 def test_hysteresis_needs_the_upper_threshold_above_the_lower():
