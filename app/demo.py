@@ -344,17 +344,21 @@ def capacity_summary(pop: Population, events: list[CapacityEvent], rollouts: dic
 def heldout_by_version(settings: Settings, started: float, tasks: int, most: int = 6) -> list[dict]:
     """The coding environment's held-out pass rate (greedy, `tasks` tasks) of the starter and
     of up to `most` later versions whose weights retention kept, evenly spread."""
+    from policies.starter import build_starter_policy
     from rollouts.coding import CodingEnvironment
     from rollouts.evaluate import greedy_pass_rate
 
     environment = CodingEnvironment(levels=settings.rollouts.levels)
     held = environment.heldout(tasks)
-    versions = [v for v in Registry(settings.policies_dir).versions() if Path(v.model_dir).is_dir()]
-    if len(versions) > most + 1:  # the starter, then evenly spread, the newest included
-        step = (len(versions) - 1) / most
-        versions = [versions[0]] + [versions[round(1 + i * step) if i < most - 1 else -1] for i in range(most)]
-    return [{"version": v.version, "at_s": max(0.0, v.created_at - started),
-             "pass_rate": greedy_pass_rate(Path(v.model_dir), environment, held)} for v in versions]
+    versions = [v for v in Registry(settings.policies_dir).versions()[1:] if Path(v.model_dir).is_dir()]
+    if len(versions) > most:  # evenly spread, the newest included
+        versions = [versions[round(i * (len(versions) - 1) / (most - 1))] for i in range(most)]
+    starter = settings.starter.model_dir or build_starter_policy(settings.starter.cache_dir, seed=settings.starter.seed,
+                                                                 progress=False)
+    points = [("v0", 0.0, Path(starter))] + [(v.version, max(0.0, v.created_at - started), Path(v.model_dir))
+                                              for v in versions]
+    return [{"version": version, "at_s": at, "pass_rate": greedy_pass_rate(model_dir, environment, held)}
+            for version, at, model_dir in points]
 
 
 def feedback_to_serving(settings: Settings) -> dict:
@@ -531,5 +535,7 @@ def demo_settings(day: bool = False) -> Settings:
     }  # the demo's own defaults: `LIVERL_*` variables still override each of them
     if day:  # troughs last about a minute: lend after 10 s of no traffic
         defaults["capacity"] = {"enabled": True, "lend_after_s": 10.0}
+        # A canary caught by a trough stands down rather than hold the second replica through it.
+        defaults["promotion"]["quiet_canary_s"] = 15.0
         defaults["rollouts"] = {"environment": "coding", "levels": [1, 2], "group_size": 8, "max_tokens": 16}
     return settings_with_defaults(defaults, data_dir=Settings().data_dir / "demo")

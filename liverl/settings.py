@@ -339,6 +339,10 @@ class PromotionConfig(Config):
                              "is aborted as inconclusive.")
     max_canary_s: float = Field(900.0, gt=0, description="Seconds after which an undecided canary is aborted "
                                 "as inconclusive (stable stays).")
+    quiet_canary_s: float | None = Field(None, gt=0, description="A canary that served no production request "
+                                         "for this long stands down (superseded, stable back everywhere, no "
+                                         "rewind) and none starts until traffic returns, so a trough is not "
+                                         "spent on a canary nobody judges; None: canaries wait through it.")
     judge_after_s: float | None = Field(None, ge=0, description="A completion counts once this long after it "
                                         "was served (late feedback has arrived); None: the reward window.")
     slide_lookback: int = Field(5, ge=1, description="Recent stable versions the slide guard compares stable "

@@ -73,6 +73,21 @@ def utc(t: float) -> str:
     return datetime.fromtimestamp(t, timezone.utc).isoformat()
 
 
+class QuietWatch:
+    """Whether production traffic stopped: the answers served so far, and since when that
+    count has not moved."""
+
+    def __init__(self, quiet_s: float):
+        self.quiet_s = quiet_s
+        self.answers: tuple[str, int] | None = None  # (what is counted, how many)
+        self.since = 0.0
+
+    def quiet(self, key: str, answers: int, now: float) -> bool:
+        if self.answers != (key, answers):
+            self.answers, self.since = (key, answers), now
+        return now - self.since >= self.quiet_s
+
+
 class Controller:
     def __init__(self, settings: Settings):
         self.settings = settings
@@ -83,6 +98,7 @@ class Controller:
         self.last_error: str | None = None
         self.waiting: str | None = None  # the candidate that waits, logged once
         self.next_slide_check = 0.0
+        self.quiet = QuietWatch(self.config.quiet_canary_s) if self.config.quiet_canary_s else None
         # One change at a time: the loop's look and on-call's commands (the admin API).
         self.lock = threading.RLock()
 
@@ -101,6 +117,15 @@ class Controller:
 
     def figures(self, versions: list[str], since: float, until: float) -> Figures:
         return Figures(self.figure_rows(versions, since, until))
+
+    def production_traffic(self) -> bool:
+        """Whether the gateway routed production requests lately (its `/admin/load`)."""
+        try:
+            response = httpx.get(self.settings.url(self.settings.ports.gateway) + "/admin/load",
+                                 headers=admin_headers(self.settings), timeout=5)
+            return response.raise_for_status().json()["requests_per_s"] > 0
+        except httpx.HTTPError:
+            return True  # unknown: behave as without the setting
 
     def serving_figures(self, versions: list[str], since: float, until: float) -> dict[str, dict]:
         """The sink's `/serving-figures`: per version, answers, server errors, p50 and p99 latency."""
@@ -193,6 +218,9 @@ class Controller:
                     reason=gate["reason"] if gate else "no held-out samples yet")
             self.state = f"{newest.version} waits for the offline gate"
             return
+        if self.quiet is not None and self.config.canary_guard and not self.production_traffic():
+            self.state = f"{newest.version} waits for production traffic to judge a canary on"
+            return
         if self.config.canary_guard and len(read_pool(self.settings).general) < 2:
             self.state = ("refusing canaries: the live guard compares a canary with stable on a second "
                           "replica (serving.replicas >= 2, or promotion.canary_guard=false)")
@@ -257,8 +285,15 @@ class Controller:
             verdict = "non_inferior"
         elif age > self.config.max_canary_s or canary_n >= self.config.max_samples:
             verdict = "inconclusive"
-        serving = self.serving_checks(self.serving_figures([stable.version, canary.version], info["started_at"], now),
-                                      stable.version, canary.version)
+        served = self.serving_figures([stable.version, canary.version], info["started_at"], now)
+        if self.quiet is not None and verdict == "continue" and self.quiet.quiet(
+                canary.version, sum(int(row.get("requests", 0)) for row in served.values()), now):
+            # Nobody to judge it: production's second replica is worth more to rollouts now.
+            self.promoter.abort(canary.version, ACTOR, f"no production traffic for {self.quiet.quiet_s:.0f} s "
+                                f"to judge it; a newer candidate is judged when traffic returns",
+                                state="superseded")
+            return
+        serving = self.serving_checks(served, stable.version, canary.version)
         if failing := [c for c in serving if c.decision == "worse"]:
             verdict = "worse"  # failing or slow answers: whatever the feedback says
             comparisons = comparisons + failing

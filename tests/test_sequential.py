@@ -61,3 +61,14 @@ def test_interval_by_hand():
     few = compare("accept_rate", arm([1] * 10), arm([0] * 10), alpha=0.05, tau=0.1, margin=0.05,
                   min_samples=50)
     assert few.decision == "continue"  # too few for the normal approximation
+
+
+def test_a_quiet_period_is_counted_from_the_last_answer():
+    from promotion.controller import QuietWatch
+
+    watch = QuietWatch(15.0)
+    assert not watch.quiet("v3", 10, now=100.0)
+    assert not watch.quiet("v3", 12, now=110.0)  # answers still coming
+    assert not watch.quiet("v3", 12, now=124.0)
+    assert watch.quiet("v3", 12, now=125.0)  # none for 15 s
+    assert not watch.quiet("v4", 12, now=126.0)  # another canary: counted afresh
