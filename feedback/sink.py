@@ -168,7 +168,8 @@ class Sink:
             return policy_version_row(PolicyVersionEvent.model_validate_json(raw))
         if topic == Topics.CAPACITY:
             event = CapacityEvent.model_validate_json(raw)
-            return dict(event.model_dump(exclude={"schema_version"}), timestamp=_ts(event.timestamp))
+            return dict(event.model_dump(exclude={"schema_version"}), timestamp=_ts(event.timestamp),
+                        steps=json.dumps(event.steps))
         return dead_letter_row(DeadLetter.model_validate_json(raw))
 
     def store(self, topic: str, messages: list[bytes]) -> None:

@@ -318,3 +318,5 @@ class CapacityEvent(Strict):
     seconds: float = Field(description="From the load reading that asked for it to the replica's switch.")
     aborted_requests: int | None = Field(None, description="Rollout requests aborted by a take-back.")
     error: str | None = Field(None, description="Why the swap failed (the replica stays out of production).")
+    steps: dict[str, float] = Field(default_factory=dict, description="Seconds per step: aborting the rollouts "
+                                    "(take-back) and the swap's fetch, decode, drain, load and verification.")

@@ -43,7 +43,7 @@ from liverl.process import serve_beside
 from liverl.settings import CapacityConfig, Settings, get_settings
 from policies.registry import PolicyVersion, Registry
 from serving.gateway import GatewayLoad
-from serving.swap import drain_in_flight, in_flight, replace_replica
+from serving.swap import SwapReport, drain_in_flight, in_flight, replace_replica
 
 EVENTS = Counter("liverl_capacity_events_total", "Replicas lent to and taken back from rollouts", ["action"])
 LENT = Gauge("liverl_capacity_lent_replicas", "Replicas lent to rollouts now")
@@ -134,28 +134,32 @@ class Scheduler:
         drain_in_flight(replica.url, self.settings.serving.swap_drain_s)
         set_replica(self.settings, replica.name, alias=ROLLOUT)
         version = self.rollout_version()
-        error = self.move(replica.name, version)
+        report = self.move(replica.name, version)
         set_replica(self.settings, replica.name, enabled=True)
         self.refreshed[replica.name] = time.time()
         return self.event("lend", decision, read_pool(self.settings).get(replica.name).policy_version,
-                          time.time() - asked_at, error)
+                          time.time() - asked_at, report and report.error, steps=swap_steps(report))
 
     def take_back(self, decision: Decision, asked_at: float) -> CapacityEvent:
         replica = set_replica(self.settings, decision.replica, enabled=False)
+        started = time.time()
         aborted = abort_rollouts(replica.url)
+        steps = {"abort_s": time.time() - started}
         stable = self.registry.stable()
-        error = None if replica.policy_version == stable.version else self.move(replica.name, stable)
+        report = self.move(replica.name, stable)
+        error = report and report.error
         if error is None:
             set_replica(self.settings, replica.name, alias=None, enabled=True)
         seconds = time.time() - asked_at
-        return self.event("take_back", decision, stable.version, seconds, error, aborted)
+        return self.event("take_back", decision, stable.version, seconds, error, aborted,
+                          steps=steps | swap_steps(report))
 
-    def move(self, name: str, version: PolicyVersion) -> str | None:
-        """Swap a replica out of production to `version`, verified; the error if it failed."""
+    def move(self, name: str, version: PolicyVersion) -> SwapReport | None:
+        """Swap a replica out of production to `version`, verified (its report: `error` set if
+        it failed); None if it serves `version` already."""
         if read_pool(self.settings).get(name).policy_version == version.version:
             return None
-        report = replace_replica(self.settings, name, version.version, Path(version.model_dir))
-        return None if report.ok else report.error
+        return replace_replica(self.settings, name, version.version, Path(version.model_dir))
 
     def refresh(self) -> None:
         """Lent replicas follow the learner's newest version every `refresh_s`."""
@@ -169,10 +173,10 @@ class Scheduler:
                 self.refreshed[replica.name] = time.time()
 
     def event(self, action: str, decision: Decision, version: str, seconds: float, error: str | None,
-              aborted: int | None = None) -> CapacityEvent:
+              aborted: int | None = None, steps: dict[str, float] | None = None) -> CapacityEvent:
         event = CapacityEvent(action=action, replica=decision.replica, policy_version=version,
                               load=decision.load, why=decision.why, seconds=seconds, error=error,
-                              aborted_requests=aborted)
+                              aborted_requests=aborted, steps=steps or {})
         EVENTS.labels(action).inc()
         LENT.set(len(read_pool(self.settings).lent))
         with open(events_file(self.settings), "a") as out:
@@ -210,6 +214,14 @@ class Scheduler:
             except httpx.HTTPError as error:  # the gateway restarting: lend nothing meanwhile
                 log(logger, "no load reading", error=repr(error))
             stop.wait(self.config.poll_s)
+
+
+def swap_steps(report: SwapReport | None) -> dict[str, float]:
+    """Where a lend's or take-back's swap spent its time (nothing if there was no swap)."""
+    if report is None:
+        return {}
+    return {"fetch_s": report.fetch_s, "decode_s": report.decode_s, "drain_s": report.drain_s,
+            "load_s": report.load_s, "verify_s": report.verify_s, "swap_out_of_rotation_s": report.pause_s}
 
 
 def abort_rollouts(url: str) -> int | None:

@@ -160,3 +160,4 @@ def test_an_idle_replica_is_lent_to_rollouts_and_a_burst_takes_it_back_without_a
     events = read_events(settings)
     assert [e.action for e in events[-2:]] == ["lend", "take_back"]
     assert time.time() - events[-1].timestamp.timestamp() < 120
+    assert "abort_s" in back.steps  # where the take-back's time went (and the swap's, if it swapped)
