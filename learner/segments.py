@@ -29,15 +29,8 @@ class Segment:
     routed_experts: list[list[list[int]]] | None = None  # [token][layer][k], single-turn only
 
 
-def multi_turn(t: Trajectory) -> bool:
-    """Whether the learner trains `t` from its turns: only if every turn has its token ids.
-    Otherwise the turns are a record of the conversation (an SDK may send them so, with ids
-    on the policy's turns alone), and `t` trains as prompt + completion."""
-    return bool(t.turns) and all(turn.token_ids for turn in t.turns)
-
-
 def segments(t: Trajectory) -> list[Segment]:
-    if not multi_turn(t):
+    if not t.multi_turn():
         p, c = t.prompt_token_ids, t.completion_token_ids
         return [Segment(p + c, [False] * len(p) + [True] * len(c), [0.0] * len(p) + list(t.completion_logprobs),
                         t.routed_experts)]

@@ -36,7 +36,6 @@ from kafka import (
 from prometheus_client import Counter, Gauge
 from pydantic import ValidationError
 
-from learner.segments import multi_turn
 from learner.trainer import Trainer, problem
 from liverl.audit import AuditLog
 from liverl.contracts import DeadLetter, RewardedSample, Topics
@@ -362,7 +361,7 @@ class Learner:
             return None
         return kl_between(Path(stable.model_dir), staged, [
             (s.trajectory.prompt_token_ids + s.trajectory.completion_token_ids, len(s.trajectory.prompt_token_ids))
-            for s in held if not multi_turn(s.trajectory)])  # what users are served: single turns
+            for s in held if not s.trajectory.multi_turn()])  # what users are served: single turns
 
     def commit(self, consumer: KafkaConsumer) -> None:
         offsets = self.safe_offsets()

@@ -29,7 +29,7 @@ from learner.rl import (
     policy_shift,
     version_minibatches,
 )
-from learner.segments import multi_turn, segments, turns_problem, written_tokens
+from learner.segments import segments, turns_problem, written_tokens
 from liverl.contracts import Architecture, RewardedSample, misfit
 from liverl.probe import PROBE_FILE, probe_logprobs
 from liverl.settings import LearnerConfig
@@ -92,7 +92,7 @@ def token_logprobs(model: torch.nn.Module, batch: Batch,
 def problem(sample: RewardedSample, arch: Architecture) -> str | None:
     """Why a sample cannot be trained on, or None: nothing malformed reaches a gradient."""
     t = sample.trajectory
-    if multi_turn(t):
+    if t.multi_turn():
         return turns_problem(t, arch.vocab_size)
     if not t.prompt_token_ids or not t.completion_token_ids:
         if t.turns and any(turn.token_ids for turn in t.turns):

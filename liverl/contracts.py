@@ -127,10 +127,16 @@ class Trajectory(Strict):
     latency_ms: float | None = None
     time_to_first_token_ms: float | None = None
 
+    def multi_turn(self) -> bool:
+        """Whether it trains from its turns: only if every turn has its token ids. Otherwise
+        the turns are a record of the conversation (an SDK may send them so, with ids on the
+        policy's turns alone), and it trains as prompt + completion (learner/segments.py)."""
+        return bool(self.turns) and all(turn.token_ids for turn in self.turns)
+
     def token_counts(self) -> tuple[int, int]:
         """(tokens read, tokens written): prompt and completion, or over a multi-turn
         trajectory's turns, the policy's own turns written and every other turn read."""
-        if not self.turns or not any(turn.token_ids for turn in self.turns):
+        if not self.multi_turn():
             return len(self.prompt_token_ids), len(self.completion_token_ids)
         written = sum(len(t.token_ids or []) for t in self.turns if t.role in WRITTEN_ROLES)
         return sum(len(t.token_ids or []) for t in self.turns) - written, written

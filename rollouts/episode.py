@@ -80,20 +80,41 @@ async def generate(client: httpx.AsyncClient, context: list[int], max_tokens: in
             "logprobs": [lp for lp in (choice.get("logprobs") or {}).get("token_logprobs") or [] if lp is not None]}
 
 
-async def play(client: httpx.AsyncClient, environment: MultiTurnEnvironment, task: Task,
+@dataclass
+class Frame:
+    """What every episode of a task shares, tokenized once per group."""
+
+    task: list[int]  # the first context
+    request: list[int]  # the summary request
+    before: str  # a fresh context's text around a summary, and its tokens
+    after: str
+    resume_before: list[int]
+    resume_after: list[int]
+
+
+async def frame(client: httpx.AsyncClient, environment: MultiTurnEnvironment, task: Task,
+                config: RolloutsConfig, limit: int) -> Frame:
+    """The task's pieces as token ids; `Misconfigured` if a fresh context, a turn and a
+    summary cannot fit in `limit`."""
+    before, after = environment.resume(task)
+    pieces = Frame(await tokenize(client, task.prompt, first=True), await tokenize(client, environment.summary_request),
+                   before, after, await tokenize(client, before, first=True), await tokenize(client, after))
+    needed = (len(pieces.resume_before) + config.summary_tokens + len(pieces.resume_after) + config.max_tokens
+              + len(pieces.request) + config.summary_tokens)
+    if needed > limit:
+        raise Misconfigured(f"rollouts.context_tokens: {limit} tokens cannot hold a resumed context, a turn and "
+                            f"a summary ({needed} tokens for this task); raise it or lower max_tokens/summary_tokens")
+    return pieces
+
+
+async def play(client: httpx.AsyncClient, environment: MultiTurnEnvironment, task: Task, pieces: Frame,
                config: RolloutsConfig, limit: int, still_lent: Callable[[], bool], tools: Executor) -> Episode:
     """The episode's turns, from the task to the environment's end (raises `Cut`); the
     environment's tool runs on `tools`."""
-    request = await tokenize(client, environment.summary_request)
-    before, after = environment.resume(task)
-    resume_before, resume_after = await tokenize(client, before, first=True), await tokenize(client, after)
-    # A fresh context must hold the task, a summary, a turn and the next summary request.
+    request, before, after = pieces.request, pieces.before, pieces.after
+    resume_before, resume_after = pieces.resume_before, pieces.resume_after
     summary_room = len(request) + config.summary_tokens
-    needed = len(resume_before) + config.summary_tokens + len(resume_after) + config.max_tokens + summary_room
-    if needed > limit:
-        raise Misconfigured(f"rollouts.context_tokens: {limit} tokens cannot hold a resumed context, a turn and "
-                         f"a summary ({needed} tokens for this task); raise it or lower max_tokens/summary_tokens")
-    context = await tokenize(client, task.prompt, first=True)
+    context = list(pieces.task)
     turns = [Turn(role="user", content=task.prompt, token_ids=list(context))]
     attempts: list[str] = []
     summaries, segment_start = 0, 0

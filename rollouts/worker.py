@@ -46,7 +46,7 @@ from rollouts.environment import (
     Task,
     load_environment,
 )
-from rollouts.episode import Cut, Misconfigured, play
+from rollouts.episode import Cut, Misconfigured, frame, play
 
 GROUPS = Counter("liverl_rollout_groups_total", "Rollout groups: published whole, cut (never published) "
                  "or failed", ["outcome"])
@@ -99,9 +99,13 @@ class RolloutWorker:
         if not isinstance(self.environment, MultiTurnEnvironment):
             return await self.sample(client, task)
         try:
+            pieces = await frame(client, self.environment, task, self.config, self.context_tokens)
+        except Cut:
+            return None
+        try:
             async with asyncio.TaskGroup() as group:  # one episode cut cancels the others
-                running = [group.create_task(play(client, self.environment, task, self.config, self.context_tokens,
-                                                  lambda: self.still_lent(replica), self.scoring))
+                running = [group.create_task(play(client, self.environment, task, pieces, self.config,
+                                                  self.context_tokens, lambda: self.still_lent(replica), self.scoring))
                            for _ in range(self.config.group_size)]
         except ExceptionGroup as errors:
             if (other := next((e for e in errors.exceptions if not isinstance(e, Cut)), None)) is not None:
