@@ -91,9 +91,16 @@ class Tally:
 
 def day_load(t: float, day_s: float) -> float:
     """The share of users active `t` seconds into a compressed day of `day_s` seconds: a
-    trough with no traffic at all for about 28% of the day (from midnight), then a rise to
-    a peak with every user active around noon, and down again."""
-    return min(1.0, max(0.0, 1.6 * (0.5 - 0.5 * math.cos(2 * math.pi * t / day_s)) - 0.3))
+    trough of about 28% of the day around midnight, a rise to a peak with every user active
+    around noon, and down again. Through the trough's evening half one user is still active
+    (the night shift: a lent replica then generates beside production), after midnight
+    nobody (what a lent replica generates alone)."""
+    share = 1.6 * (0.5 - 0.5 * math.cos(2 * math.pi * t / day_s)) - 0.3
+    evening = (t % day_s) >= day_s / 2
+    return min(1.0, max(NIGHT_SHIFT if evening else 0.0, share))
+
+
+NIGHT_SHIFT = 1e-3  # a share above zero: the first user is active
 
 
 class Population:

@@ -15,7 +15,10 @@ flight per replica and waiting for one) every `capacity.poll_s`, per production 
   disabled (the worker starts nothing new there), its in-flight rollouts aborted
   (vLLM's `/abort_requests`: their groups are cut, never trained half-scored), swapped
   back to stable if it serves another version, then returned to production. The
-  take-back time runs from the load sample that asked for it to that moment.
+  take-back time runs from the load sample that asked for it to that moment. So that
+  the swap back only loads weights, a lent replica keeps stable's staged beside the
+  versions it serves (`ReplicaSync.keep`), restaged in the background when stable
+  changes during the lend.
 
 Every lend and take-back, with the load that caused it, is appended to
 `run/capacity.jsonl` (`liverl status` shows the latest), counted in
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -44,6 +48,7 @@ from liverl.settings import CapacityConfig, Settings, get_settings
 from policies.registry import PolicyVersion, Registry
 from serving.gateway import GatewayLoad
 from serving.swap import SwapReport, drain_in_flight, in_flight, replace_replica
+from sync.replica import ReplicaSync
 
 EVENTS = Counter("liverl_capacity_events_total", "Replicas lent to and taken back from rollouts", ["action"])
 LENT = Gauge("liverl_capacity_lent_replicas", "Replicas lent to rollouts now")
@@ -108,6 +113,10 @@ class Scheduler:
         self.rules = Hysteresis(self.config)
         self.refreshed: dict[str, float] = {}
         self.retry_at: dict[str, float] = {}  # replica -> when a failed take-back may be tried again
+        # A replica's stagings share its work directory: one at a time (swaps and keeping stable).
+        self.staging = threading.Lock()
+        self.keeper = ThreadPoolExecutor(1, thread_name_prefix="keep-stable")
+        self.keeping: Future | None = None
 
     def gateway_load(self) -> GatewayLoad:
         response = httpx.get(self.settings.url(self.settings.ports.gateway) + "/admin/load",
@@ -133,6 +142,7 @@ class Scheduler:
         set_replica(self.settings, replica.name, enabled=False)
         drain_in_flight(replica.url, self.settings.serving.swap_drain_s)
         set_replica(self.settings, replica.name, alias=ROLLOUT)
+        self.keep_stable(replica.name)  # it serves stable now: nothing to stage, only to keep
         version = self.rollout_version()
         report = self.move(replica.name, version)
         set_replica(self.settings, replica.name, enabled=True)
@@ -151,6 +161,7 @@ class Scheduler:
         if error is None:
             set_replica(self.settings, replica.name, alias=None, enabled=True)
         seconds = time.time() - asked_at
+        self.keep_stable(replica.name)  # back in production: nothing more to keep
         return self.event("take_back", decision, stable.version, seconds, error, aborted,
                           steps=steps | swap_steps(report))
 
@@ -159,12 +170,33 @@ class Scheduler:
         it failed); None if it serves `version` already."""
         if read_pool(self.settings).get(name).policy_version == version.version:
             return None
-        return replace_replica(self.settings, name, version.version, Path(version.model_dir))
+        with self.staging:
+            return replace_replica(self.settings, name, version.version, Path(version.model_dir))
+
+    def keep_stable(self, name: str) -> None:
+        """A lent replica keeps stable's weights staged, so its take-back only loads them;
+        a production replica keeps nothing extra."""
+        if self.settings.sync.transport != "delta":
+            return
+        with self.staging:  # and so after any take-back that was under way
+            stable = self.registry.stable()
+            lent = read_pool(self.settings).get(name).alias == ROLLOUT
+            wanted = stable.version if lent and stable is not None else None
+            replica = ReplicaSync.of(self.settings, name)
+            if replica.state().kept == wanted:
+                return
+            try:
+                replica.keep(wanted)
+            except Exception as error:  # the take-back stages stable itself, only slower
+                log(logger, "could not keep stable staged", replica=name, error=repr(error))
 
     def refresh(self) -> None:
         """Lent replicas follow the learner's newest version every `refresh_s`."""
         newest = self.rollout_version()
-        for replica in read_pool(self.settings).lent:
+        lent = read_pool(self.settings).lent
+        if lent and (self.keeping is None or self.keeping.done()):
+            self.keeping = self.keeper.submit(lambda: [self.keep_stable(r.name) for r in lent])
+        for replica in lent:
             if (replica.enabled  # disabled: being taken back (its swap back failed), never re-lent here
                     and replica.policy_version != newest.version
                     and time.time() - self.refreshed.get(replica.name, 0) >= self.config.refresh_s):

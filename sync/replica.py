@@ -69,6 +69,8 @@ class ReplicaState(BaseModel):
     held: str | None = Field(None, description="Version the replica serves from its own directory.")
     previous: str | None = Field(None, description="The one before, kept for a rollback.")
     pending: str | None = Field(None, description="Target of a staging or swap not yet finished.")
+    kept: str | None = Field(None, description="A version kept on disk beside held and previous "
+                                               "(a lent replica keeps stable's, to be taken back fast).")
     fetched_bytes: int = Field(0, description="Bytes fetched from the store, all transfers.")
     weights_bytes: int = Field(0, description="Bytes of the versions those transfers delivered.")
     last: Transfer | None = None
@@ -190,13 +192,25 @@ class ReplicaSync:
         finally:
             shutil.rmtree(work, ignore_errors=True)
 
+    def keep(self, version: str | None) -> Transfer | None:
+        """Stage `version` while the replica serves another and keep it on disk through later
+        commits until it is served; one at most (None: keep none). The previously kept
+        version's directory goes unless the replica still holds it."""
+        transfer = self.stage(version)[1] if version is not None else None
+        state = self.state()
+        self._update(kept=version, pending=None)
+        if state.kept not in (None, version, state.held, state.previous):
+            shutil.rmtree(self.path(state.kept), ignore_errors=True)
+        return transfer
+
     def commit(self, version: str) -> None:
-        """The replica serves `version` now: record it, keep it and the one before, drop
-        the other directories."""
+        """The replica serves `version` now: record it, keep it, the one before and a kept
+        version, drop the other directories."""
         state = self.state()
         previous = state.held if state.held != version else state.previous
-        self._update(held=version, previous=previous, pending=None, error=None)
-        for name in self.local_versions() - {version, previous}:
+        kept = None if state.kept == version else state.kept
+        self._update(held=version, previous=previous, pending=None, error=None, kept=kept)
+        for name in self.local_versions() - {version, previous, kept}:
             shutil.rmtree(self.path(name), ignore_errors=True)
 
     def abort(self, error: str) -> None:

@@ -71,13 +71,16 @@ def test_a_second_demo_refuses_to_wipe_a_running_one(tmp_path, monkeypatch):
     assert manifest_file(settings).exists()
 
 
-def test_a_simulated_day_has_a_trough_without_traffic_and_a_full_peak():
-    day = 240.0
-    shares = [day_load(t, day) for t in range(0, 240)]
-    assert shares[0] == 0 and shares[120] == 1.0  # midnight and noon
-    trough = sum(share == 0 for share in shares) / len(shares)
-    assert 0.2 < trough < 0.35  # long enough to lend a replica
-    assert all(0 <= share <= 1 for share in shares)
+def test_a_simulated_day_has_a_trough_with_one_user_then_none_and_a_full_peak():
+    day, users = 240.0, 8
+    active = [sum(i < users * day_load(t, day) for i in range(users)) for t in range(0, 240)]
+    assert active[0] == 0 and active[120] == users  # midnight and noon
+    night_shift = [t for t, n in enumerate(active) if n == 1 and t >= 120]
+    nobody = [t for t, n in enumerate(active) if n == 0]
+    # Long enough to lend a replica beside one user, then to see it generate alone.
+    assert 0.1 < len(night_shift) / day < 0.2 and 0.1 < len(nobody) / day < 0.2
+    assert max(night_shift) == 239 and max(nobody) < 120  # the evening, then after midnight
+    assert all(0 <= day_load(t, day) <= 1 for t in range(0, 240))
 
 
 def test_capacity_summary_splits_latency_by_lent_periods():

@@ -131,6 +131,32 @@ def test_chain_apply_is_bit_exact(store, tmp_path):
     assert state.fetched_bytes == records["v0"].snapshot.size + transfer.fetched_bytes
 
 
+def test_a_kept_version_stays_on_disk_through_later_commits_until_it_is_served(tmp_path):
+    """A lent replica follows the learner's newest versions but keeps stable's weights, so
+    taking it back to stable loads them without fetching or decoding anything."""
+    store = local_store(tmp_path)
+    lineage, replica = replica_on_v0(tmp_path, store)
+    replica.commit("v0")  # stable, served before the lend
+    for _ in range(4):
+        lineage.add()
+    lineage.publish(store)
+    assert replica.keep("v0").fetched_bytes == 0  # held already: nothing to stage
+    for version in ("v1", "v2", "v3"):  # refreshes while lent
+        replica.stage(version)
+        replica.commit(version)
+    assert replica.local_versions() == {"v0", "v2", "v3"}
+    assert replica.state().kept == "v0"
+
+    replica.keep("v1")  # stable changed during the lend: v1 staged now, v0 dropped
+    assert replica.local_versions() == {"v1", "v2", "v3"}
+    path, transfer = replica.stage("v1")  # the take-back
+    assert transfer.fetched_bytes == 0 and transfer.objects == [] and same_weights(path, lineage.dir("v1"))
+    replica.commit("v1")
+    state = replica.state()
+    assert (state.held, state.previous, state.kept, state.pending) == ("v1", "v3", None, None)
+    assert replica.local_versions() == {"v1", "v3"}
+
+
 def test_far_behind_takes_the_smaller_of_chain_and_snapshot(tmp_path):
     store = local_store(tmp_path)
     lineage, replica = replica_on_v0(tmp_path, store, snapshot_every=3)
