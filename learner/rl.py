@@ -87,6 +87,20 @@ def kl_to_reference(logp: torch.Tensor, reference_logp: torch.Tensor) -> torch.T
     return torch.exp(log_ratio) - log_ratio - 1
 
 
+def entropy_bonus(vocab_logp: torch.Tensor, mask: torch.Tensor,
+                  normalizer: torch.Tensor | None = None) -> torch.Tensor:
+    """The policy's entropy per token over the positions in `mask`, normalised like the loss
+    (log-probabilities [batch, positions, vocab]):
+
+        H(pi(. | s_t)) = - sum_v pi_v log pi_v
+
+    Subtracted from the loss with a small weight (the entropy bonus of Williams & Peng
+    1991, kept by A3C and PPO), it pushes back against a policy that turns certain before
+    the reward has told it what to do, so it keeps sampling alternatives."""
+    entropy = -(vocab_logp.exp() * vocab_logp).sum(-1)
+    return (entropy * mask).sum() / (mask.sum().clamp(min=1) if normalizer is None else normalizer)
+
+
 def policy_shift(parent_logp: torch.Tensor, logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
     """How far a version moved from its parent, and how sure it still is: the mean over
     the positions in `mask` of the exact KL(parent || new) over the vocabulary and of the

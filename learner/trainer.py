@@ -24,6 +24,7 @@ from learner import router_replay
 from learner.rl import (
     RunningBaseline,
     advantage_stats,
+    entropy_bonus,
     group_advantages,
     policy_gradient_loss,
     policy_shift,
@@ -179,7 +180,8 @@ class Trainer:
                 if parent is not None:
                     with torch.no_grad():
                         parent_logp = token_logprobs(self.model, batch, parent)
-                logp = token_logprobs(self.model, batch)  # last: the routing stats read this pass
+                vocab_logp = vocabulary_logprobs(self.model, batch)  # last: the routing stats read this pass
+                logp = vocab_logp.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
             # A trajectory's advantage is credited to every one of its segments.
             row_advantages = advantages[idx][batch.sample_of_row] * share
             loss, step_stats = policy_gradient_loss(
@@ -190,6 +192,8 @@ class Trainer:
                 is_mode=self.config.is_mode, is_threshold=self.config.is_threshold,
                 reference_logp=parent_logp, kl_coef=self.config.kl_coef, normalizer=normalizer,
             )
+            if self.config.entropy_coef > 0:
+                loss = loss - self.config.entropy_coef * entropy_bonus(vocab_logp, batch.completion_mask, normalizer)
             self.optimizer.zero_grad()
             loss.backward()  # the last line that can fail: nothing below changes the weights
             if epoch == 0:  # train/inference mismatch, before this batch moves the weights

@@ -290,6 +290,8 @@ class LearnerConfig(Config):
     is_mode: Literal["tis", "mask"] = Field("tis", description="Truncated or masked importance sampling.")
     is_threshold: float = Field(2.0, ge=1.0, description="Truncation / mask threshold of pi/mu.")
     kl_coef: float = Field(0.0, ge=0.0, description="Weight of KL(pi || parent) per token; 0 disables it.")
+    entropy_coef: float = Field(0.0, ge=0.0, description="Weight of the policy's entropy per token, "
+                                "subtracted from the loss (an exploration bonus); 0 disables it.")
     lr: float = Field(1e-5, gt=0.0, le=1.0, description="Adam learning rate on the fp32 master weights.")
     minibatch: int = Field(
         16, ge=1, description="Sequences per gradient step (more when a batch needs more steps than the next allows).",
@@ -416,6 +418,8 @@ class RolloutsConfig(Config):
     tenant: str = Field("rollouts", pattern=r"^[A-Za-z0-9._\-]+$", description="The tenant rollouts are "
                         "recorded under (kept apart from production in every table).")
     scoring_threads: int = Field(4, ge=1, description="Completions scored at once in the sandbox.")
+    groups_in_flight: int = Field(2, ge=1, le=64, description="Groups a lent replica works on at once: while "
+                                  "one is scored, the next is sampled.")
     context_tokens: int | None = Field(None, ge=16, description="Multi-turn environments: the longest context "
                                        "an episode keeps before the policy summarises it; None: the replicas' "
                                        "serving.max_model_len (more is refused).")

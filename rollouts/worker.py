@@ -1,7 +1,8 @@
 """Rollout worker: GRPO groups sampled on replicas lent to rollouts, scored, published.
 
 For each replica the pool lends to rollouts (alias `rollout`, which general traffic never
-reaches), the worker keeps one group in flight: it draws a task from the environment,
+reaches), the worker keeps `groups_in_flight` groups going (so the replica samples one
+while another is scored). For a group it draws a task from the environment,
 asks the replica for G completions of it in one request (so one version, the replica's),
 scores each in the sandbox, and publishes the G trajectories (source `rollout`, one group
 id, `group_size` G, behaviour logprobs) to the trajectories topic, as the gateway does,
@@ -177,30 +178,37 @@ class RolloutWorker:
         return [event for _, _, event in records if isinstance(event, Trajectory)]
 
     async def run(self, producer: AIOKafkaProducer, stop: asyncio.Event) -> None:
-        """A group at a time on each lent replica, until stopped."""
+        """`groups_in_flight` groups at a time on each lent replica, until stopped."""
         clients: dict[str, httpx.AsyncClient] = {}
-        running: dict[str, asyncio.Task] = {}
+        running: dict[str, list[asyncio.Task]] = {}
         try:
             while not stop.is_set():
                 for replica in [] if self.misconfigured else lent_replicas(self.settings):
-                    if (previous := running.get(replica.name)) is not None:
-                        if not previous.done():
-                            continue
-                        if isinstance(error := previous.exception(), Misconfigured):
-                            self.misconfigured = str(error)  # shown by /health; no more groups
-                            log(logger, "rollouts stopped: misconfigured", error=self.misconfigured)
-                            break
-                        if error is not None:  # e.g. the broker or the sandbox
-                            GROUPS.labels("failed").inc()
-                            log(logger, "rollout group failed", replica=replica.name, error=repr(error))
-                            await asyncio.sleep(1.0)  # not a tight loop while it lasts
+                    active = [t for t in running.get(replica.name, []) if not t.done()]
+                    for ended in (t for t in running.get(replica.name, []) if t.done()):
+                        await self.ended(replica, ended)
+                    if self.misconfigured:
+                        break
                     client = clients.setdefault(replica.url, replica_async_client(
                         replica.url, self.settings.serving.request_timeout_s))
-                    running[replica.name] = asyncio.create_task(self.run_group(producer, client, replica))
+                    running[replica.name] = active + [
+                        asyncio.create_task(self.run_group(producer, client, replica))
+                        for _ in range(self.config.groups_in_flight - len(active))]
                 await asyncio.sleep(0.1)
         finally:
-            await asyncio.gather(*running.values(), return_exceptions=True)
+            await asyncio.gather(*(t for tasks in running.values() for t in tasks), return_exceptions=True)
             await asyncio.gather(*(c.aclose() for c in clients.values()))
+
+    async def ended(self, replica: Replica, group: asyncio.Task) -> None:
+        """A finished group's error, if any: misconfigured stops rollouts (shown by /health),
+        anything else (the broker, the sandbox) is counted and slows the next one down."""
+        if isinstance(error := group.exception(), Misconfigured):
+            self.misconfigured = str(error)
+            log(logger, "rollouts stopped: misconfigured", error=self.misconfigured)
+        elif error is not None:
+            GROUPS.labels("failed").inc()
+            log(logger, "rollout group failed", replica=replica.name, error=repr(error))
+            await asyncio.sleep(1.0)  # not a tight loop while it lasts
 
 
 async def main(settings: Settings) -> None:

@@ -196,7 +196,11 @@ class ReplicaSync:
         """Stage `version` while the replica serves another and keep it on disk through later
         commits until it is served; one at most (None: keep none). The previously kept
         version's directory goes unless the replica still holds it."""
-        transfer = self.stage(version)[1] if version is not None else None
+        try:
+            transfer = self.stage(version)[1] if version is not None else None
+        except Exception:
+            self._update(pending=None)  # nothing was in flight for the replica: it serves on as it did
+            raise
         state = self.state()
         self._update(kept=version, pending=None)
         if state.kept not in (None, version, state.held, state.previous):

@@ -14,6 +14,7 @@ from learner.rl import (
     advantage_stats,
     cispo_surrogate,
     clipped_surrogate,
+    entropy_bonus,
     group_advantages,
     importance_weights,
     kl_to_reference,
@@ -86,6 +87,21 @@ def test_policy_shift_by_hand():
     assert shift["kl_from_parent"] == pytest.approx(0.5108, abs=1e-4)
     assert shift["entropy"] == pytest.approx(0.3251, abs=1e-4)
     assert policy_shift(parent, parent, torch.ones(1, 2))["kl_from_parent"] == pytest.approx(0.0, abs=1e-7)
+
+
+def test_entropy_bonus_by_hand_and_its_gradient_flattens_the_policy():
+    """Positions with (0.5, 0.5) and (0.9, 0.1) in the mask: H = ln 2 = 0.6931 and 0.3251,
+    mean 0.5091; the masked-out position does not count. A step down the loss minus the
+    bonus moves the sure position towards uniform and leaves the uniform one where it is."""
+    logits = torch.log(torch.tensor([[[0.5, 0.5], [0.9, 0.1], [0.999, 0.001]]])).requires_grad_()
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    bonus = entropy_bonus(torch.log_softmax(logits, -1), mask)
+    assert bonus.item() == pytest.approx((0.6931 + 0.3251) / 2, abs=1e-4)
+    assert entropy_bonus(torch.log_softmax(logits, -1), mask, normalizer=torch.tensor(4.0)).item() == \
+        pytest.approx((0.6931 + 0.3251) / 4, abs=1e-4)
+    (-bonus).backward()
+    assert logits.grad[0, 1, 0] > 0 > logits.grad[0, 1, 1]  # descending lowers the likely token's logit
+    assert logits.grad[0, 0].abs().max() < 1e-6 and logits.grad[0, 2].abs().max() == 0
 
 
 def test_advantage_stats_by_hand():

@@ -149,6 +149,9 @@ def test_a_kept_version_stays_on_disk_through_later_commits_until_it_is_served(t
 
     replica.keep("v1")  # stable changed during the lend: v1 staged now, v0 dropped
     assert replica.local_versions() == {"v1", "v2", "v3"}
+    with pytest.raises(SyncError):  # not in the store: nothing changes, nothing is left pending
+        replica.keep("v9")
+    assert (replica.state().kept, replica.state().pending) == ("v1", None)
     path, transfer = replica.stage("v1")  # the take-back
     assert transfer.fetched_bytes == 0 and transfer.objects == [] and same_weights(path, lineage.dir("v1"))
     replica.commit("v1")
