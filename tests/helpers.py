@@ -45,12 +45,20 @@ def learner_health(settings) -> dict | None:
 
 
 def controller_idle(settings) -> bool:
-    """No promotion in flight: the controller has no canary and nothing to take."""
+    """No promotion in flight: the controller has no canary and nothing to take. Its
+    /health tells what it did at its last poll; a candidate the learner published since
+    (a pause answers after the step in flight is published) is in the registry only."""
+    from policies.registry import Registry
+
     try:
         health = httpx.get(settings.url(settings.ports.controller) + "/health", timeout=5).json()
     except httpx.TransportError:
         return False
-    return health["canary"] is None and health["state"].startswith(("idle", "v"))
+    registry = Registry(settings.policies_dir)
+    stable = registry.stable()
+    waiting = [c for c in registry.in_state("candidate") if (stable is None or c.seq > stable.seq)
+               and (c.metrics.get("gate") or {}).get("passed")]
+    return health["canary"] is None and health["state"].startswith(("idle", "v")) and not waiting
 
 
 def item(event_id: str, body: dict, type: str = "feedback") -> dict:
