@@ -523,7 +523,11 @@ def demo_settings(day: bool = False) -> Settings:
     """The demo's stack: its own data directory, fast cadence, automatic promotion; for a
     simulated day, the capacity scheduler lends idle replicas to coding rollouts."""
     defaults = {
-        "learner": {"batch_samples": 96, "lr": 3e-4, "max_version_lag": 3,
+        # PPO-clip around each version's parent: under the guard, stable serves about five
+        # versions behind the learner and the canary two, and truncated-IS REINFORCE on such
+        # stale samples overshoots and stalls at ~0.3 in 4 of 5 seeds where PPO reaches 0.9
+        # (benchmarks/bench_ablation.py; docs/learning.md, "The fast harness").
+        "learner": {"batch_samples": 96, "lr": 3e-4, "max_version_lag": 3, "objective": "ppo",
                     "gate_min_ess": 5.0, "gate_margin": 0.1},
         "feedback": {"reward_window_s": 300.0},
         # A canary serves beside stable on a second replica, half the sessions each; the
