@@ -37,6 +37,7 @@ from pydantic import BaseModel, Field, field_validator
 from liverl.audit import AuditLog
 from liverl.contracts import AliasName, VersionName
 from liverl.keys import KeyRecord, KeyStore, admin_headers
+from liverl.load import read_gateway_load
 from liverl.observability import log, mount_metrics, setup_logging
 from liverl.pool import read_pool
 from liverl.process import serve_beside
@@ -121,9 +122,7 @@ class Controller:
     def production_traffic(self) -> bool:
         """Whether the gateway routed production requests lately (its `/admin/load`)."""
         try:
-            response = httpx.get(self.settings.url(self.settings.ports.gateway) + "/admin/load",
-                                 headers=admin_headers(self.settings), timeout=5)
-            return response.raise_for_status().json()["requests_per_s"] > 0
+            return read_gateway_load(self.settings).requests_per_s > 0
         except httpx.HTTPError:
             return True  # unknown: behave as without the setting
 

@@ -40,13 +40,12 @@ from prometheus_client import Counter, Gauge
 
 from liverl.contracts import CapacityEvent, Topics
 from liverl.kafka import encode, produce_sync
-from liverl.keys import admin_headers
+from liverl.load import GatewayLoad, read_gateway_load
 from liverl.observability import log, mount_metrics, setup_logging
 from liverl.pool import ROLLOUT, Pool, read_pool, replica_client, set_replica
 from liverl.process import serve_beside
 from liverl.settings import CapacityConfig, Settings, get_settings
 from policies.registry import PolicyVersion, Registry
-from serving.gateway import GatewayLoad
 from serving.swap import SwapReport, drain_in_flight, in_flight, replace_replica
 from sync.replica import ReplicaSync
 
@@ -119,9 +118,7 @@ class Scheduler:
         self.keeping: Future | None = None
 
     def gateway_load(self) -> GatewayLoad:
-        response = httpx.get(self.settings.url(self.settings.ports.gateway) + "/admin/load",
-                             headers=admin_headers(self.settings), timeout=5)
-        return GatewayLoad.model_validate(response.raise_for_status().json())
+        return read_gateway_load(self.settings)
 
     def canary_wanted(self, pool: Pool) -> bool:
         """The promotion controller has a candidate for the live guard, which needs two

@@ -36,6 +36,7 @@ from liverl.contracts import (
 from liverl.http import refuse_deep_json
 from liverl.kafka import encode, make_producer
 from liverl.keys import KeyRecord, KeyStore, require_admin, require_key
+from liverl.load import GatewayLoad
 from liverl.observability import log, mount_metrics, setup_logging
 from liverl.pool import (
     ROLLOUT,
@@ -96,15 +97,6 @@ ALIAS = TypeAdapter(AliasName)
 
 def request_schema(model: type[BaseModel]) -> dict:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
-
-
-class GatewayLoad(BaseModel):
-    """Production load as the gateway sees it: what the capacity scheduler lends by."""
-
-    in_flight: dict[str, int] = Field(description="Requests each replica is answering now.")
-    waiting: int = Field(description="Requests waiting for an enabled replica.")
-    requests_per_s: float = Field(description="Requests routed per second over the last `window_s`.")
-    window_s: float
 
 
 class Router:

@@ -17,7 +17,7 @@ from liverl.pool import ROLLOUT, Pool, Replica, read_pool
 from liverl.settings import CapacityConfig, RolloutsConfig
 from rollouts.worker import RolloutWorker
 from serving.capacity import Hysteresis, Scheduler, read_events
-from serving.gateway import GatewayLoad
+from liverl.load import GatewayLoad
 from sync.replica import ReplicaSync
 
 
