@@ -118,21 +118,26 @@ def run(seed: int, rounds: int, batch: int, max_tokens: int, stable_lag: int, ca
             versions[old] = None  # never served again: memory stays flat
     starter = curve[0]
     window = max(1, round(0.2 * rounds))  # the last fifth: the demo's last two of ten minutes
-    rolling = [sum(curve[max(0, i - 1):i + 1]) / len(curve[max(0, i - 1):i + 1]) for i in range(len(curve))]
+    # About the demo's "last 100 verdicts": the mean of a round's accept rate and the one before.
+    rolling = [(curve[i] + curve[max(0, i - 1)]) / 2 for i in range(len(curve))]
     return {"seed": seed, "starter": starter, "last_fifth": sum(curve[-window:]) / window,
             "rounds_to_plus_40": next((i for i, r in enumerate(rolling) if r >= starter + 0.4), None),
             "curve": curve, "versions": per_version}
 
 
 def main(seeds: list[int] = typer.Option([0, 1, 2, 3, 4], "--seeds"), rounds: int = 60, batch: int = 96,
-         max_tokens: int = 24, stable_lag: int = typer.Option(5, help="Versions stable serves behind the learner's newest (0: at once)."),
+         max_tokens: int = 24,
+         stable_lag: int = typer.Option(5, help="Versions stable serves behind the learner's newest (0: at once)."),
          canary_lag: int = typer.Option(2, help="Versions the canary serves behind the learner's newest."),
          canary_share: float = 0.5, set_: list[str] = typer.Option([], "--set", help="LearnerConfig field=value"),
          jobs: int = 2, out: Path = Path("bench-ablation/run")) -> None:
     overrides = {}
     for item in set_:
         key, _, value = item.partition("=")
-        overrides[key] = json.loads(value) if value[:1] in "0123456789-[{tfn" else value
+        try:
+            overrides[key] = json.loads(value)  # numbers, true/false, lists
+        except ValueError:
+            overrides[key] = value  # a word: objective=ppo
     LearnerConfig(**{**DEMO, **overrides})  # a bad setting stops here, not in every worker
     build_starter_policy(Settings().starter.cache_dir)  # once, before the workers need it
     out.mkdir(parents=True, exist_ok=True)
