@@ -525,7 +525,7 @@ def demo_settings(day: bool = False) -> Settings:
     defaults = {
         # PPO-clip around each version's parent: under the guard, stable serves about five
         # versions behind the learner and the canary two, and truncated-IS REINFORCE on such
-        # stale samples overshoots and stalls at ~0.3 in 4 of 5 seeds where PPO reaches 0.9
+        # stale samples overshoots and stalls at ~0.3 in 4 of 5 seeds; PPO's median is 0.91
         # (benchmarks/bench_ablation.py; docs/learning.md, "The fast harness").
         "learner": {"batch_samples": 96, "lr": 3e-4, "max_version_lag": 3, "objective": "ppo",
                     "gate_min_ess": 5.0, "gate_margin": 0.1},
