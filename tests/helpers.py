@@ -17,6 +17,7 @@ from liverl.keys import admin_headers
 from liverl.manifest import read_manifest
 from liverl.process import spawn, stop_pid
 from liverl.settings import Settings
+from policies.registry import Registry
 
 
 def sql(settings: Settings, query: str) -> list[dict]:
@@ -48,8 +49,6 @@ def controller_idle(settings) -> bool:
     """No promotion in flight: the controller has no canary and nothing to take. Its
     /health tells what it did at its last poll; a candidate the learner published since
     (a pause answers after the step in flight is published) is in the registry only."""
-    from policies.registry import Registry
-
     try:
         health = httpx.get(settings.url(settings.ports.controller) + "/health", timeout=5).json()
     except httpx.TransportError:
