@@ -35,15 +35,19 @@ from rich.console import Console
 from rich.table import Table
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from app.demo import hidden_rule, make_prompt
+from app.demo import demo_settings, hidden_rule, make_prompt
 from learner.trainer import Trainer
 from liverl.contracts import RewardedSample, Trajectory
 from liverl.settings import LearnerConfig, Settings
 from policies.starter import build_starter_policy
 
 console = Console()
-DEMO = {"batch_samples": 96, "lr": 3e-4, "max_version_lag": 3}  # app/demo.py: demo_settings
 HOLDOUT = 0.15
+
+
+def learner_config(overrides: dict) -> LearnerConfig:
+    """The demo's learner (`app/demo.py: demo_settings`) with `overrides`, validated."""
+    return LearnerConfig(**{**demo_settings().learner.model_dump(), **overrides})
 
 
 def published(trainer: Trainer) -> dict[str, torch.Tensor]:
@@ -82,7 +86,7 @@ def run(seed: int, rounds: int, batch: int, max_tokens: int, stable_lag: int, ca
     model_dir = build_starter_policy(Settings().starter.cache_dir, progress=False)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     tokenizer.padding_side = "left"
-    config = LearnerConfig(**{**DEMO, **overrides})
+    config = learner_config(overrides)
     trainer = Trainer(model_dir, config)
     served = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     versions = [published(trainer)]  # versions[k]: what v{k} serves
@@ -138,7 +142,7 @@ def main(seeds: list[int] = typer.Option([0, 1, 2, 3, 4], "--seeds"), rounds: in
             overrides[key] = json.loads(value)  # numbers, true/false, lists
         except ValueError:
             overrides[key] = value  # a word: objective=ppo
-    LearnerConfig(**{**DEMO, **overrides})  # a bad setting stops here, not in every worker
+    learner = learner_config(overrides)  # a bad setting stops here, not in every worker
     build_starter_policy(Settings().starter.cache_dir)  # once, before the workers need it
     out.mkdir(parents=True, exist_ok=True)
     with ProcessPoolExecutor(jobs) as pool:
@@ -146,7 +150,7 @@ def main(seeds: list[int] = typer.Option([0, 1, 2, 3, 4], "--seeds"), rounds: in
                    for s in seeds}
         results = {s: f.result() for s, f in futures.items()}
     setup = {"rounds": rounds, "batch": batch, "stable_lag": stable_lag, "canary_lag": canary_lag,
-             "canary_share": canary_share, "learner": {**DEMO, **overrides}}
+             "canary_share": canary_share, "learner": learner.model_dump()}
     (out / "result.json").write_text(json.dumps({"setup": setup, "runs": results}, indent=1))
     table = Table(title=f"{overrides or 'demo learner'}; stable {stable_lag} / canary {canary_lag} versions behind")
     for column in ("seed", "starter", "last fifth", "rounds to +40", "entropy at end", "KL from parent (mean)"):
