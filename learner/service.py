@@ -141,6 +141,9 @@ class Learner:
         self.serving: set[str] = set()  # versions on replicas now: their samples are never stale
         self.pending: dict[str, RewardedSample] = {}
         self.holdout: list[RewardedSample] = []
+        # (version, event id -> mean log-ratio under it) for the held-out samples: what the
+        # gate computed for a candidate is its parent's half of the next version's gate.
+        self.holdout_ratios: tuple[str, dict[str, float]] = ("", {})
         self.dropped = {"stale": 0, "consent": 0, "malformed": 0, "already_trained": 0, "untrainable": 0,
                         "incomplete_group": 0}
         self.open_groups: dict[str, OpenGroup] = {}
@@ -315,14 +318,19 @@ class Learner:
         metrics["after_rewind"] = self.applied_rewind  # Registry.head: trained after that rewind
         staged = self.settings.policies_dir / "staging-learner"
         shutil.rmtree(staged, ignore_errors=True)
+        started = time.time()
         self.trainer.export(staged)
+        metrics["export_seconds"] = time.time() - started
         if self.holdout:
+            started = time.time()
             rewards = torch.tensor([s.reward for s in self.holdout])
-            candidate = snis(self.trainer.mean_log_ratios(self.holdout), rewards, self.config.gate_clip)
-            parent = snis(self.trainer.mean_log_ratios(self.holdout, parent_weights), rewards, self.config.gate_clip)
+            candidate_ratios = self.trainer.mean_log_ratios(self.holdout)
+            candidate = snis(candidate_ratios, rewards, self.config.gate_clip)
+            parent = snis(self.parent_log_ratios(parent_weights), rewards, self.config.gate_clip)
             verdict = offline_check(candidate, parent, self.config.gate_margin, self.config.gate_min_ess,
                                     self.kl_from_stable(staged), self.config.gate_max_kl)
             metrics["gate"] = verdict.model_dump()
+            metrics["gate_seconds"] = time.time() - started
         # Named after the version once the registry has given it its name (after a rewind
         # the next version is not current + 1); a crash in between loses only this
         # version's Adam state, and a rewind to it starts Adam afresh.
@@ -333,6 +341,9 @@ class Learner:
             sample_ids=[s.sample_id for s in batch], actor="learner",
         )
         unnamed_state.replace(self.state_dir / f"{version.version}.pt")
+        if self.holdout:
+            self.holdout_ratios = (version.version, {s.event_id: r for s, r in
+                                                     zip(self.holdout, candidate_ratios.tolist())})
         if (gate := metrics.get("gate")) and gate["too_far_from_stable"]:
             # Every version trained on top would be further still: continue from what users get.
             self.registry.request_rewind(self.registry.stable().version, "learner", f"{version.version} {gate['reason']}")
@@ -352,6 +363,17 @@ class Learner:
             if not (self.settings.policies_dir / state.stem).exists():
                 state.unlink()
         return version
+
+    def parent_log_ratios(self, parent_weights: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The held-out samples' mean log-ratios under the parent: those the parent's own
+        gate computed, and the rest (held out since, or all after a rewind or restart)
+        computed now, so each version's gate evaluates the parent on new samples only."""
+        version, known = self.holdout_ratios
+        known = dict(known) if version == self.current.version else {}
+        if missing := [s for s in self.holdout if s.event_id not in known]:
+            known.update(zip((s.event_id for s in missing),
+                             self.trainer.mean_log_ratios(missing, parent_weights).tolist()))
+        return torch.tensor([known[s.event_id] for s in self.holdout])
 
     def kl_from_stable(self, staged: Path) -> float | None:
         """KL(stable || staged) on the newest held-out logged samples: how far users would move."""
