@@ -150,9 +150,19 @@ class Trainer:
         lone = [i for i, g in enumerate(grouped) if g is None]
         advantages = group_advantages(rewards, [g or f"lone-{i}" for i, g in enumerate(grouped)])
         if lone:
-            keys = [samples[i].tenant for i in lone]
+            keys = [self.baseline_key(samples[i]) for i in lone]
             advantages[lone] = self.baseline.advantages(rewards[lone], keys)
         return advantages
+
+    def baseline_key(self, sample: RewardedSample) -> str:
+        """Whose running mean a lone completion's reward is compared with: its tenant's, or
+        (`baseline_by=prompt_end`) that of its tenant's prompts ending in the same two
+        tokens (a line ending in `:` and a newline, say), so prompts that are hard for the
+        policy do not share a baseline with easy ones."""
+        end = sample.trajectory.prompt_token_ids[-2:]
+        if self.config.baseline_by == "prompt_end" and end:
+            return f"{sample.tenant}|{','.join(map(str, end))}"
+        return sample.tenant
 
     def train(self, samples: list[RewardedSample], seed: int = 0) -> dict:
         """One version's worth of updates on `samples`; returns its metrics."""

@@ -292,6 +292,9 @@ class LearnerConfig(Config):
     kl_coef: float = Field(0.0, ge=0.0, description="Weight of KL(pi || parent) per token; 0 disables it.")
     entropy_coef: float = Field(0.0, ge=0.0, description="Weight of the policy's entropy per token, "
                                 "subtracted from the loss (an exploration bonus); 0 disables it.")
+    baseline_by: Literal["tenant", "prompt_end"] = Field(
+        "tenant", description="What a lone completion's running reward baseline is kept per: its tenant, or "
+        "its tenant and its prompt's last two tokens (a crude value of the kind of prompt it answers).")
     lr: float = Field(1e-5, gt=0.0, le=1.0, description="Adam learning rate on the fp32 master weights.")
     minibatch: int = Field(
         16, ge=1, description="Sequences per gradient step (more when a batch needs more steps than the next allows).",

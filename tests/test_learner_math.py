@@ -220,3 +220,25 @@ def test_decoupled_objectives_bound_the_step_around_the_proximal_policy():
         policy_gradient_loss(proximal, behaviour, advantages, mask, objective="ppo")
     with pytest.raises(ValueError, match="objective"):
         policy_gradient_loss(proximal, behaviour, advantages, mask, objective="trpo")
+
+
+def test_a_baseline_per_prompt_end_keeps_hard_prompts_apart_from_easy_ones(starter_dir):
+    """Lone completions of prompts ending `...:\\n` (always refused) and `... [` (always
+    accepted): one baseline per tenant makes every refusal look worse than average (-0.95),
+    one per prompt end finds each as expected (0)."""
+    from learner.trainer import Trainer
+    from liverl.contracts import RewardedSample, Trajectory
+    from liverl.settings import LearnerConfig
+
+    def lone(i: int, prompt: list[int], reward: float) -> RewardedSample:
+        t = Trajectory(event_id=f"t{i}", tenant="acme", completion_id=f"c{i}", policy_version="v0",
+                       prompt_token_ids=prompt, completion_token_ids=[3], completion_logprobs=[-1.0])
+        return RewardedSample(sample_id=f"acme:c{i}", event_id=f"acme:c{i}:r0", tenant="acme", reward=reward,
+                              reward_source="feedback", reward_fn_version="test", trajectory=t)
+
+    easy, hard = [5, 7, 9], [5, 8, 10]
+    for baseline_by, expected in (("tenant", [0.05, -0.95]), ("prompt_end", [0.0, 0.0])):
+        trainer = Trainer(starter_dir, LearnerConfig(baseline_by=baseline_by))
+        trainer.advantages([lone(0, easy, 1.0), lone(1, hard, 0.0)])  # means: 1 then 0.95 / 1 and 0
+        got = trainer.advantages([lone(2, easy, 1.0), lone(3, hard, 0.0)])
+        assert torch.allclose(got, torch.tensor(expected)), baseline_by
