@@ -525,10 +525,12 @@ def demo_settings(day: bool = False) -> Settings:
     defaults = {
         # PPO-clip around each version's parent: under the guard, stable serves about five
         # versions behind the learner and the canary two, and truncated-IS REINFORCE on such
-        # stale samples overshoots and stalls at ~0.3 in 4 of 5 seeds; PPO's median is 0.91
-        # (benchmarks/bench_ablation.py; docs/learning.md, "The fast harness").
+        # stale samples overshoots and stalls at ~0.3 in 4 of 5 seeds; PPO's median is 0.91.
+        # A baseline per kind of prompt frees the seeds PPO still stalls on (lowest of five
+        # 0.86 instead of 0.70 at 80 rounds): benchmarks/bench_ablation.py; docs/learning.md,
+        # "The fast harness".
         "learner": {"batch_samples": 96, "lr": 3e-4, "max_version_lag": 3, "objective": "ppo",
-                    "gate_min_ess": 5.0, "gate_margin": 0.1},
+                    "baseline_by": "prompt_end", "gate_min_ess": 5.0, "gate_margin": 0.1},
         "feedback": {"reward_window_s": 300.0},
         # A canary serves beside stable on a second replica, half the sessions each; the
         # simulated users answer within milliseconds, so a completion is judged a second
