@@ -94,7 +94,7 @@ def copy_probe(model, tokenizer, names: list[str]) -> dict[str, tuple[str, float
     return out
 
 
-def main(functions: int = typer.Option(40000, help="Primer functions appended to the corpus."),
+def main(functions: int = typer.Option(40000, min=1, help="Primer functions appended to the corpus."),
          level2_share: float = typer.Option(0.2, help="Share of them that add, multiply or subtract."),
          steps: int = typer.Option(3000, help="Mid-training steps (the starter's recipe: 600)."),
          tasks: int = typer.Option(20, help="Training tasks per level sampled 16 times at temperature 1."),
