@@ -9,12 +9,14 @@ all lent time vs a lent replica alone with no production traffic, from the same 
 least 80%).
 
     .venv/bin/python benchmarks/bench_capacity.py --minutes 8 --day-minutes 4 --out bench-capacity
+    .venv/bin/python benchmarks/bench_capacity.py --runs 3 --out bench-capacity/three   # pairs, for the spread
 """
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import time
 from pathlib import Path
@@ -44,16 +46,9 @@ def fmt(x: float | None, unit: str = "") -> str:
     return "-" if x is None else f"{x:.3g}{unit}"
 
 
-def main(minutes: float = typer.Option(8.0, help="Length of each run."),
-         day_minutes: float = typer.Option(4.0, help="One simulated day (two per 8-minute run)."),
-         seed: int = typer.Option(0),
-         heldout: int = typer.Option(50, help="Held-out coding tasks per evaluated version (the on run)."),
-         out: Path = typer.Option(Path("bench-capacity"))) -> None:
-    on = demo(out / "lending-on", minutes, day_minutes, seed, heldout, {})
-    off = demo(out / "lending-off", minutes, day_minutes, seed, 1, {"LIVERL_CAPACITY__ENABLED": "false"})
-    a, b = on["day"], off["day"]
+def rows(a: dict, b: dict) -> list[tuple[str, str, str, str]]:
     lat_on, lat_off = a["latency_p99_s"], b["latency_p99_s"]
-    rows = [
+    return [
         ("take-backs (lends)", f"{a['take_backs']} ({a['lends']})", "", ""),
         ("take-back p99 / max", f"{fmt(a['take_back_s']['p99'], ' s')} / {fmt(a['take_back_s']['max'], ' s')}",
          "", "<= 2 s"),
@@ -67,14 +62,39 @@ def main(minutes: float = typer.Option(8.0, help="Length of each run."),
         ("harvest", fmt(a["harvest"]["share"]), "", ">= 0.8"),
         ("rollout groups (cut)", f"{a['rollout_groups']} ({a['rollout_groups_cut']})", "", ""),
     ]
-    table = Table(title=f"lending idle replicas: {minutes} min runs, {day_minutes}-min days, seed {seed}")
-    for column in ("measure", "lending on", "lending off", "target"):
-        table.add_column(column)
-    for row in rows:
-        table.add_row(*row)
-    console.print(table)
-    console.print(f"held-out pass rate per version: {[(r['version'], r['pass_rate']) for r in a['heldout']]}")
-    (out / "result.json").write_text(json.dumps({"on": a, "off": b}, indent=2))
+
+
+def main(minutes: float = typer.Option(8.0, help="Length of each run."),
+         day_minutes: float = typer.Option(4.0, help="One simulated day (two per 8-minute run)."),
+         seed: int = typer.Option(0),
+         runs: int = typer.Option(1, min=1, help="Pairs of runs (on, then off): peak latency varies from run "
+                                  "to run on shared cores, so compare several."),
+         heldout: int = typer.Option(50, help="Held-out coding tasks per evaluated version (the on runs)."),
+         out: Path = typer.Option(Path("bench-capacity"))) -> None:
+    pairs = []
+    for run in range(runs):
+        where = out if runs == 1 else out / f"run-{run}"
+        on = demo(where / "lending-on", minutes, day_minutes, seed, heldout, {})
+        off = demo(where / "lending-off", minutes, day_minutes, seed, 1, {"LIVERL_CAPACITY__ENABLED": "false"})
+        a, b = on["day"], off["day"]
+        table = Table(title=f"lending idle replicas: {minutes} min runs, {day_minutes}-min days, seed {seed}"
+                            + (f", pair {run + 1} of {runs}" if runs > 1 else ""))
+        for column in ("measure", "lending on", "lending off", "target"):
+            table.add_column(column)
+        for row in rows(a, b):
+            table.add_row(*row)
+        console.print(table)
+        console.print(f"held-out pass rate per version: {[(r['version'], r['pass_rate']) for r in a['heldout']]}")
+        (where / "result.json").write_text(json.dumps({"on": a, "off": b}, indent=2))
+        pairs.append((a, b))
+    if runs > 1:
+        slowest = [a["take_back_s"]["max"] for a, _ in pairs if a["take_back_s"]["max"] is not None]
+        ratios = [a["latency_p99_s"]["peak"] / b["latency_p99_s"]["peak"] for a, b in pairs
+                  if a["latency_p99_s"]["peak"] and b["latency_p99_s"]["peak"]]
+        console.print(f"peak p99 on / off per pair: {[round(r, 3) for r in ratios]}, median "
+                      f"{statistics.median(ratios):.3f}" if ratios else "no peak latency in any pair")
+        console.print(f"take-backs over all pairs: {sum(a['take_backs'] for a, _ in pairs)}, slowest per pair "
+                      f"{[round(x, 2) for x in slowest]} s")
 
 
 if __name__ == "__main__":
