@@ -57,25 +57,30 @@ def name_pool(tokenizer) -> list[str]:
                   and len(tokenizer(" " + w)["input_ids"]) == 1)
 
 
-def primer(tokenizer, count: int, level2_share: float, seed: int = 0) -> list[str]:
+def primer(tokenizer, count: int, level2_share: float, compound_share: float, seed: int = 0) -> list[str]:
+    """`count` functions; a `compound_share` of their parameters are two pool words joined by
+    an underscore (170,000 such names: too many to memorise one by one, so only copying the
+    name from the header predicts it)."""
     rng = random.Random(seed)
     names = name_pool(tokenizer)
     constants = [k for k in range(1, 100) if k not in CONSTANTS["train"] + CONSTANTS["heldout"]]
     functions = []
     for _ in range(count):
         function, a, k = rng.choice(names), rng.choice(names), rng.choice(constants)
+        if rng.random() < compound_share:
+            a = f"{a}_{rng.choice(names)}"
         doc, answer = rng.choice(LEVEL2) if rng.random() < level2_share else (rng.choice(LEVEL1), "{a}")
         functions.append(f'def {function}({a}):\n    """{doc.format(a=a, k=k)}"""\n'
                          f'    return {answer.format(a=a, k=k)}\n')
     return functions
 
 
-def build(out: Path, functions: int, level2_share: float, steps: int) -> Path:
+def build(out: Path, functions: int, level2_share: float, compound_share: float, steps: int) -> Path:
     plain = starter.token_stream
 
     def with_primer(files, tokenizer):
         ids = []
-        for text in primer(tokenizer, functions, level2_share):
+        for text in primer(tokenizer, functions, level2_share, compound_share):
             ids.extend(tokenizer(text)["input_ids"] + [tokenizer.eos_token_id])
         return torch.cat([plain(files, tokenizer), torch.tensor(ids)])
 
@@ -96,10 +101,11 @@ def copy_probe(model, tokenizer, names: list[str]) -> dict[str, tuple[str, float
 
 def main(functions: int = typer.Option(40000, min=1, help="Primer functions appended to the corpus."),
          level2_share: float = typer.Option(0.2, help="Share of them that add, multiply or subtract."),
+         compound_share: float = typer.Option(0.0, help="Share of parameter names made of two pool words."),
          steps: int = typer.Option(3000, help="Mid-training steps (the starter's recipe: 600)."),
          tasks: int = typer.Option(20, help="Training tasks per level sampled 16 times at temperature 1."),
          out: Path = typer.Option(Path("/tmp/starter-primer"))) -> None:
-    model_dir = build(out, functions, level2_share, steps)
+    model_dir = build(out, functions, level2_share, compound_share, steps)
     torch.manual_seed(0)
     torch.set_num_threads(1)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -117,7 +123,8 @@ def main(functions: int = typer.Option(40000, min=1, help="Primer functions appe
         held = env.heldout(200, seed=0)
         lines = [first_lines(model, tokenizer, t, 1, True, 16)[0] for t in held]
         rates["held-out (200, all levels), greedy"] = sum(scoring.map(env.solved, held, lines)) / len(held)
-    table = Table(title=f"starter with {functions} primer functions, {steps} steps")
+    table = Table(title=f"starter with {functions} primer functions ({compound_share:.0%} compound names), "
+                        f"{steps} steps")
     table.add_column("tasks")
     table.add_column("pass rate")
     for name, rate in rates.items():
