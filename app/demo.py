@@ -349,16 +349,19 @@ def capacity_summary(pop: Population, events: list[CapacityEvent], rollouts: dic
             "harvest": harvest(lent, list(load), list(tokens)), "lent": lent}
 
 
-def heldout_by_version(settings: Settings, started: float, tasks: int, most: int = 6) -> list[dict]:
+def heldout_by_version(settings: Settings, started: float, tasks: int, most: int = 6,
+                       until_s: float | None = None) -> list[dict]:
     """The coding environment's held-out pass rate (greedy, `tasks` tasks) of the starter and
-    of up to `most` later versions whose weights retention kept, evenly spread."""
+    of up to `most` later versions whose weights retention kept (written within `until_s`
+    seconds of `started`, if given), evenly spread."""
     from policies.starter import build_starter_policy
     from rollouts.coding import CodingEnvironment
     from rollouts.evaluate import greedy_pass_rate
 
     environment = CodingEnvironment(levels=settings.rollouts.levels)
     held = environment.heldout(tasks)
-    versions = [v for v in Registry(settings.policies_dir).versions()[1:] if Path(v.model_dir).is_dir()]
+    versions = [v for v in Registry(settings.policies_dir).versions()[1:] if Path(v.model_dir).is_dir()
+                and (until_s is None or v.created_at - started <= until_s)]
     if len(versions) > most:  # evenly spread, the newest included
         versions = [versions[round(i * (len(versions) - 1) / (most - 1))] for i in range(most)]
     starter = settings.starter.model_dir or build_starter_policy(settings.starter.cache_dir, seed=settings.starter.seed,
