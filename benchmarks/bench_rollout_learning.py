@@ -89,6 +89,7 @@ def main(minutes: float = typer.Option(10.0, help="How long rollouts run."),
     os.environ.update(dict(item.split("=", 1) for item in set_))
     from app.demo import demo_settings, heldout_by_version
     from app.stack import down, drain, stop_sources, up
+    from policies.registry import Registry
     from promotion.sequential import wilson
 
     settings = demo_settings(day=True)
@@ -125,8 +126,6 @@ def main(minutes: float = typer.Option(10.0, help="How long rollouts run."),
                       f"[{p['ci'][0]:.1%}, {p['ci'][1]:.1%}]")
     console.print(table)
     starter, last = points[0], points[-1]  # the newest written within the time given
-    from policies.registry import Registry
-
     # Each version's mean reward on its own training groups: how fast the training split is learned.
     train_reward = [{"version": v.version, "at_s": v.created_at - started, "mean_reward": v.metrics.get("mean_reward")}
                     for v in Registry(settings.policies_dir).versions()[1:]]
