@@ -67,7 +67,7 @@ def primer(tokenizer, count: int, level2_share: float, compound_share: float, se
     functions = []
     for _ in range(count):
         function, a, k = rng.choice(names), rng.choice(names), rng.choice(constants)
-        if rng.random() < compound_share:
+        if compound_share and rng.random() < compound_share:  # no draw at 0: the rows before it reproduce
             a = f"{a}_{rng.choice(names)}"
         doc, answer = rng.choice(LEVEL2) if rng.random() < level2_share else (rng.choice(LEVEL1), "{a}")
         functions.append(f'def {function}({a}):\n    """{doc.format(a=a, k=k)}"""\n'
