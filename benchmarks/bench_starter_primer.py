@@ -82,7 +82,10 @@ def build(out: Path, functions: int, level2_share: float, compound_share: float,
         ids = []
         for text in primer(tokenizer, functions, level2_share, compound_share):
             ids.extend(tokenizer(text)["input_ids"] + [tokenizer.eos_token_id])
-        return torch.cat([plain(files, tokenizer), torch.tensor(ids)])
+        corpus = plain(files, tokenizer)
+        console.print(f"primer: {len(ids):,} of {len(corpus) + len(ids):,} tokens "
+                      f"({len(ids) / (len(corpus) + len(ids)):.0%})")
+        return torch.cat([corpus, torch.tensor(ids)])
 
     starter.token_stream = with_primer  # this process only: the recipe file is unchanged
     return starter.build_starter_policy(out, train_steps=steps)
