@@ -305,21 +305,24 @@ def p99(values: list[float]) -> float | None:
 
 def harvest(lent: list[tuple[float, float, str]], load: list[tuple[float, int]],
             tokens: list[tuple[float, int]]) -> dict:
-    """Rollout tokens/s over all lent time (take-backs, lends, production beside it included)
-    and over the seconds a replica was lent with no production traffic at all (what a lent
-    replica generates alone), from per-second samples of the worker's token count."""
+    """Rollout tokens/s over all lent time (take-backs, lends, production beside it included),
+    over the seconds a replica was lent with no production traffic at all (what a lent
+    replica generates alone) and over those it was lent beside production, from
+    per-second samples of the worker's token count."""
     users = dict(load)
-    lent_s = lent_tokens = quiet_s = quiet_tokens = 0.0
+    seconds = {"lent": 0.0, "alone": 0.0, "beside_production": 0.0}
+    generated = dict.fromkeys(seconds, 0.0)
     for (t0, n0), (t1, n1) in zip(tokens, tokens[1:]):
         if not any(a <= t0 and t1 <= b for a, b, _ in lent):
             continue
-        lent_s, lent_tokens = lent_s + t1 - t0, lent_tokens + n1 - n0
-        if users.get(t0, 1) == 0:
-            quiet_s, quiet_tokens = quiet_s + t1 - t0, quiet_tokens + n1 - n0
-    lent_rate = lent_tokens / lent_s if lent_s else None
-    quiet_rate = quiet_tokens / quiet_s if quiet_s else None
-    return {"tokens_per_s_lent": lent_rate, "tokens_per_s_alone": quiet_rate,
-            "share": lent_rate / quiet_rate if lent_rate is not None and quiet_rate else None}
+        for period in ("lent", "alone" if users.get(t0, 1) == 0 else "beside_production"):
+            seconds[period] += t1 - t0
+            generated[period] += n1 - n0
+    rates = {f"tokens_per_s_{period}": generated[period] / seconds[period] if seconds[period] else None
+             for period in seconds}
+    lent_rate, alone_rate = rates["tokens_per_s_lent"], rates["tokens_per_s_alone"]
+    return rates | {"seconds_beside_production": seconds["beside_production"],
+                    "share": lent_rate / alone_rate if lent_rate is not None and alone_rate else None}
 
 
 def capacity_summary(pop: Population, events: list[CapacityEvent], rollouts: dict,
@@ -552,7 +555,9 @@ def demo_settings(day: bool = False) -> Settings:
     }  # the demo's own defaults: `LIVERL_*` variables still override each of them
     if day:  # troughs last about a minute: lend after 10 s of no traffic
         defaults["capacity"] = {"enabled": True, "lend_after_s": 10.0}
-        # A canary caught by a trough stands down rather than hold the second replica through it.
-        defaults["promotion"]["quiet_canary_s"] = 15.0
+        # A canary caught by a trough stands down rather than hold the second replica through it,
+        # and the night shift counts as a trough: one user alone asks about 12 requests a second,
+        # the day's peak about 30 (bench_capacity, Nov 25), so a replica is lent beside that user.
+        defaults["promotion"] |= {"quiet_canary_s": 15.0, "quiet_requests_per_s": 15.0}
         defaults["rollouts"] = {"environment": "coding", "levels": [1, 2], "group_size": 8, "max_tokens": 16}
     return settings_with_defaults(defaults, data_dir=Settings().data_dir / "demo")

@@ -57,8 +57,9 @@ def rows(a: dict, b: dict) -> list[tuple[str, str, str, str]]:
         ("latency p99 in peaks", fmt(lat_on["peak"], " s"), fmt(lat_off["peak"], " s"), "on <= 1.1x off"),
         ("latency p99 lent / not lent", f"{fmt(lat_on['lent'], ' s')} / {fmt(lat_on['not_lent'], ' s')}", "",
          "<= 1.5x"),
-        ("rollout tokens/s lent / alone", f"{fmt(a['harvest']['tokens_per_s_lent'])} / "
-         f"{fmt(a['harvest']['tokens_per_s_alone'])}", "", ""),
+        ("rollout tokens/s lent / alone / beside production", f"{fmt(a['harvest']['tokens_per_s_lent'])} / "
+         f"{fmt(a['harvest']['tokens_per_s_alone'])} / {fmt(a['harvest']['tokens_per_s_beside_production'])} "
+         f"({fmt(a['harvest']['seconds_beside_production'])} s)", "", ""),
         ("harvest", fmt(a["harvest"]["share"]), "", ">= 0.8"),
         ("rollout groups (cut)", f"{a['rollout_groups']} ({a['rollout_groups_cut']})", "", ""),
     ]

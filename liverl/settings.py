@@ -344,10 +344,15 @@ class PromotionConfig(Config):
                              "is aborted as inconclusive.")
     max_canary_s: float = Field(900.0, gt=0, description="Seconds after which an undecided canary is aborted "
                                 "as inconclusive (stable stays).")
-    quiet_canary_s: float | None = Field(None, gt=0, description="A canary that served no production request "
-                                         "for this long stands down (superseded, stable back everywhere, no "
-                                         "rewind) and none starts until traffic returns, so a trough is not "
-                                         "spent on a canary nobody judges; None: canaries wait through it.")
+    quiet_canary_s: float | None = Field(None, gt=0, description="A canary whose production traffic stayed quiet "
+                                         "(see quiet_requests_per_s) this long stands down (superseded, stable "
+                                         "back everywhere, no rewind) and none starts until traffic returns, so "
+                                         "a trough is not spent on a canary nobody judges; None: canaries wait "
+                                         "through it.")
+    quiet_requests_per_s: float = Field(0.0, ge=0, description="Production requests per second at or below which "
+                                        "traffic is too thin to judge a canary on: no canary starts (nor takes a "
+                                        "replica back from rollouts), and with quiet_canary_s a running one "
+                                        "stands down; 0: only no traffic at all is quiet.")
     judge_after_s: float | None = Field(None, ge=0, description="A completion counts once this long after it "
                                         "was served (late feedback has arrived); None: the reward window.")
     slide_lookback: int = Field(5, ge=1, description="Recent stable versions the slide guard compares stable "

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
@@ -75,18 +76,24 @@ def utc(t: float) -> str:
 
 
 class QuietWatch:
-    """Whether production traffic stopped: the answers served so far, and since when that
-    count has not moved."""
+    """Whether production traffic has been too thin to judge a canary on for `quiet_s`:
+    the answers served so far, sampled over time, grew by at most `per_s` a second."""
 
-    def __init__(self, quiet_s: float):
+    def __init__(self, quiet_s: float, per_s: float = 0.0):
         self.quiet_s = quiet_s
-        self.answers: tuple[str, int] | None = None  # (what is counted, how many)
-        self.since = 0.0
+        self.per_s = per_s
+        self.key: str | None = None  # what is counted (the canary)
+        self.samples: deque[tuple[float, int]] = deque()  # (when, answers so far)
 
     def quiet(self, key: str, answers: int, now: float) -> bool:
-        if self.answers != (key, answers):
-            self.answers, self.since = (key, answers), now
-        return now - self.since >= self.quiet_s
+        if key != self.key:
+            self.key, self.samples = key, deque()
+        self.samples.append((now, answers))
+        # Keep the newest sample at or before the window's start: the window is then whole.
+        while len(self.samples) > 1 and self.samples[1][0] <= now - self.quiet_s:
+            self.samples.popleft()
+        since, then = self.samples[0]
+        return now - since >= self.quiet_s and answers - then <= self.per_s * (now - since)
 
 
 class Controller:
@@ -99,7 +106,8 @@ class Controller:
         self.last_error: str | None = None
         self.waiting: str | None = None  # the candidate that waits, logged once
         self.next_slide_check = 0.0
-        self.quiet = QuietWatch(self.config.quiet_canary_s) if self.config.quiet_canary_s else None
+        self.quiet = (QuietWatch(self.config.quiet_canary_s, self.config.quiet_requests_per_s)
+                      if self.config.quiet_canary_s else None)
         # One change at a time: the loop's look and on-call's commands (the admin API).
         self.lock = threading.RLock()
 
@@ -120,9 +128,10 @@ class Controller:
         return Figures(self.figure_rows(versions, since, until))
 
     def production_traffic(self) -> bool:
-        """Whether the gateway routed production requests lately (its `/admin/load`)."""
+        """Whether the gateway routed enough production requests lately to judge a canary on
+        (its `/admin/load`)."""
         try:
-            return read_gateway_load(self.settings).requests_per_s > 0
+            return read_gateway_load(self.settings).requests_per_s > self.config.quiet_requests_per_s
         except httpx.HTTPError:
             return True  # unknown: behave as without the setting
 
@@ -217,7 +226,8 @@ class Controller:
                     reason=gate["reason"] if gate else "no held-out samples yet")
             self.state = f"{newest.version} waits for the offline gate"
             return
-        if self.quiet is not None and self.config.canary_guard and not self.production_traffic():
+        thin_traffic_waits = self.quiet is not None or self.config.quiet_requests_per_s > 0
+        if thin_traffic_waits and self.config.canary_guard and not self.production_traffic():
             self.state = f"{newest.version} waits for production traffic to judge a canary on"
             return
         if self.config.canary_guard and len(read_pool(self.settings).general) < 2:

@@ -224,9 +224,9 @@ class Scheduler:
         # A replica whose swap back failed a moment ago is not tried again at every poll.
         backing_off = frozenset(name for name, at in self.retry_at.items() if time.time() < at)
         load = self.gateway_load()
-        # A canary is judged on production traffic: in a trough with none it could only wait,
-        # so a candidate does not take a replica back from rollouts until traffic returns.
-        canary = load.requests_per_s > 0 and self.canary_wanted(pool)
+        # A canary is judged on production traffic: in a trough too quiet to judge one it could
+        # only wait, so a candidate does not take a replica back from rollouts until traffic returns.
+        canary = load.requests_per_s > self.settings.promotion.quiet_requests_per_s and self.canary_wanted(pool)
         decision = self.rules.decide(time.monotonic(), load, pool, canary, backing_off)
         if decision is None:
             self.refresh()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 from helpers import serving_load, wait_for
@@ -14,7 +15,7 @@ from helpers import serving_load, wait_for
 from liverl.contracts import CapacityEvent
 from liverl.kafka import make_producer
 from liverl.pool import ROLLOUT, Pool, Replica, read_pool
-from liverl.settings import CapacityConfig, RolloutsConfig
+from liverl.settings import CapacityConfig, PromotionConfig, RolloutsConfig
 from rollouts.worker import RolloutWorker
 from serving.capacity import Hysteresis, Scheduler, read_events
 from liverl.load import GatewayLoad
@@ -80,7 +81,7 @@ def test_a_take_back_whose_swap_failed_is_retried_after_a_pause_not_at_every_pol
     demand here) leaves the replica out of production; the next polls do not hammer it."""
     scheduler = Scheduler.__new__(Scheduler)
     scheduler.config, scheduler.rules = CONFIG.model_copy(update={"retry_s": 60}), Hysteresis(CONFIG)
-    scheduler.settings, scheduler.retry_at = None, {}
+    scheduler.settings, scheduler.retry_at = SimpleNamespace(promotion=PromotionConfig()), {}
     monkeypatch.setattr("serving.capacity.read_pool", lambda settings: pool(lent=1))
     monkeypatch.setattr(Scheduler, "gateway_load", lambda self: load({"r1": 1}, waiting=2, requests_per_s=1.0))
     monkeypatch.setattr(Scheduler, "canary_wanted", lambda self, p: False)
@@ -108,10 +109,16 @@ def test_a_candidate_takes_a_replica_back_only_when_there_is_traffic_to_judge_it
     monkeypatch.setattr(Scheduler, "take_back", lambda self, decision, asked_at: CapacityEvent(
         action="take_back", replica=decision.replica, policy_version="v3", load=decision.load, why=decision.why,
         seconds=0.1))
-    scheduler.settings = None
+    scheduler.settings = SimpleNamespace(promotion=PromotionConfig())
     monkeypatch.setattr(Scheduler, "gateway_load", lambda self: load())  # a trough: nobody to judge it
     assert scheduler.step() is None
     monkeypatch.setattr(Scheduler, "gateway_load", lambda self: load(requests_per_s=0.5))
+    assert scheduler.step().why == "a canary needs the replica"
+    # Traffic too thin to judge a canary on (one user at night) leaves the replica lent too.
+    scheduler.settings = SimpleNamespace(promotion=PromotionConfig(quiet_requests_per_s=15.0))
+    monkeypatch.setattr(Scheduler, "gateway_load", lambda self: load(requests_per_s=12.0))
+    assert scheduler.step() is None
+    monkeypatch.setattr(Scheduler, "gateway_load", lambda self: load(requests_per_s=20.0))
     assert scheduler.step().why == "a canary needs the replica"
 
 

@@ -107,6 +107,7 @@ def test_harvest_compares_lent_time_with_a_lent_replica_alone():
     assert result["tokens_per_s_alone"] == 100  # 0-2 s: no production
     assert result["tokens_per_s_lent"] == 75  # 0-4 s: 300 tokens; 4-5 s was not lent
     assert result["share"] == 0.75
+    assert result["tokens_per_s_beside_production"] == 50 and result["seconds_beside_production"] == 2.0
 
 
 def test_a_failed_take_back_keeps_the_replica_lent_until_the_retry_and_counts_from_the_first_ask():

@@ -72,3 +72,17 @@ def test_a_quiet_period_is_counted_from_the_last_answer():
     assert not watch.quiet("v3", 12, now=124.0)
     assert watch.quiet("v3", 12, now=125.0)  # none for 15 s
     assert not watch.quiet("v4", 12, now=126.0)  # another canary: counted afresh
+
+
+def test_traffic_too_thin_to_judge_a_canary_on_counts_as_quiet():
+    """One user at night answers a few a second: below `per_s`, the canary stands down."""
+    from promotion.controller import QuietWatch
+
+    watch = QuietWatch(10.0, per_s=5.0)
+    answers = 0
+    for second in range(10):  # 3 a second: under 5
+        assert not watch.quiet("v3", answers, now=100.0 + second)
+        answers += 3
+    assert watch.quiet("v3", answers, now=110.0)
+    answers += 30  # a burst: 57 in the last ten seconds, over 50
+    assert not watch.quiet("v3", answers, now=111.0)
