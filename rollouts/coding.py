@@ -43,16 +43,11 @@ NAMES = {
 # what carries to the held-out names.
 PARAMS = {
     "train": ["value", "name", "path", "key", "line", "data", "result", "item", "text", "args", "node", "size",
-              "action", "address", "archive", "argument", "attr", "attribute", "buffer", "block", "cache",
-              "caller", "char", "chunk", "code", "command", "context", "current", "date", "day", "default",
-              "descriptor", "dest", "directory", "element", "encoding", "error", "exception", "extension",
-              "extra", "file", "filename", "flag", "frame", "group", "header", "host", "index", "info",
-              "instance", "integer", "length", "level", "lineno", "link", "local", "locale", "message",
-              "method", "module", "month", "number", "offset", "option", "order", "output", "package",
-              "parent", "parser", "position", "prefix", "protocol", "release", "response", "root", "screen",
-              "section", "sequence", "server", "socket", "space", "stack", "state", "stream", "string",
-              "target", "thread", "timeout", "user", "variable", "version", "week", "width", "year", "binary",
-              "member", "namespace", "pickle", "platform", "point", "port", "struct", "sign"],
+              "action", "archive", "attr", "buffer", "cache", "char", "code", "context", "date", "default",
+              "dest", "element", "error", "extension", "file", "flag", "group", "host", "info", "integer",
+              "level", "link", "locale", "method", "month", "offset", "order", "package", "parser", "prefix",
+              "release", "root", "section", "server", "space", "state", "string", "thread", "user", "version",
+              "width", "binary", "namespace", "platform", "port", "sign"],
     "heldout": ["obj", "count", "word", "entry", "source", "mode", "token", "buf", "field", "part"],
 }
 CONSTANTS = {"train": [2, 3, 5, 7, 10, *range(12, 40)], "heldout": [4, 6, 8, 9, 11]}
