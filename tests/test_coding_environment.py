@@ -45,8 +45,7 @@ def test_every_level_is_solved_by_its_reference_answer_and_not_by_a_constant():
     assert {t.level for t in tasks} == set(LEVELS)
     assert scores(env, [(t, t.reference) for t in tasks]) == [1.0] * len(tasks)
     # Several inputs with different expected values: no constant passes a task.
-    # Every fifth training constant: each try is a sandboxed run.
-    constants = [" 0", " 1", " None", " True", " ''", " []"] + [f" {k}" for k in CONSTANTS["train"][::5]]
+    constants = [" 0", " 1", " None", " True", " ''", " []"] + [f" {k}" for k in CONSTANTS["train"]]
     assert not any(s == 1.0 for s in scores(env, [(t, c) for t in tasks for c in constants]))
 
 
@@ -54,8 +53,7 @@ def test_no_answer_memorised_from_training_solves_a_heldout_task():
     """Held-out tasks use names no training task has: returning a training parameter is wrong there."""
     env = CodingEnvironment(levels=[1])
     heldout = env.heldout(20)
-    assert not set(PARAMS["train"]) & set(PARAMS["heldout"])
-    memorised = [f" {name}" for name in PARAMS["train"][::8]]  # a sample: each try is a sandboxed run
+    memorised = [f" {name}" for name in PARAMS["train"]]
     assert not any(s == 1.0 for s in scores(env, [(t, m) for t in heldout for m in memorised]))
     assert all(s == 1.0 for s in scores(env, [(t, t.reference) for t in heldout]))
 
