@@ -481,10 +481,14 @@ def demo(minutes: float = typer.Option(10.0, help="How long the simulated produc
                                      "is scored on (greedy).")) -> None:
     """Start the stack, let simulated users teach the policy a hidden rule, show it learning."""
     import shutil
+    import signal
+    import sys
 
     from app.demo import demo_settings, run_demo
     from app.stack import running
 
+    # `kill` (a stopped benchmark, a CI timeout) unwinds as Ctrl-C does: the stack goes down with the demo.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     settings = demo_settings(day=load is DemoLoad.day)
     if running(settings):  # its state is about to be wiped: never under a live demo
         fail(f"a demo is already running in {settings.data_dir}; `liverl down --data-dir "
