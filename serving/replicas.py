@@ -92,8 +92,11 @@ def launch_replica(settings: Settings, name: str, model_dir: Path, url: str,
                    version: str) -> tuple[Replica, subprocess.Popen]:
     if url.startswith(UNIX):
         Path(url[len(UNIX):]).unlink(missing_ok=True)  # a socket left by a replica that died
-    process = spawn(replica_command(settings, model_dir, url), replica_env(settings),
-                    settings.run_dir / f"{name}-{version}.log")
+    argv = replica_command(settings, model_dir, url)
+    if cpus := settings.serving.replica_cpus:
+        index = int(name.rsplit("-", 1)[1])
+        argv = ["taskset", "-c", ",".join(map(str, cpus[index % len(cpus)])), *argv]
+    process = spawn(argv, replica_env(settings), settings.run_dir / f"{name}-{version}.log")
     return Replica(name=name, url=url, policy_version=version, model_dir=str(model_dir),
                    pid=process.pid), process
 
