@@ -178,7 +178,7 @@ class ServingConfig(Config):
     )
     kv_cache_gib: int = Field(1, ge=1, description="VLLM_CPU_KVCACHE_SPACE per CPU replica (GiB).")
     cpu_threads: int = Field(1, ge=1, description="OMP threads per CPU replica.")
-    replica_cpus: list[list[Annotated[int, Field(ge=0)]]] | None = Field(
+    replica_cpus: list[Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]] | None = Field(
         None, description="CPUs each CPU replica may run on, as a device of its own: replica-i gets entry i "
         "modulo the list's length (None: any CPU).",
     )
