@@ -71,11 +71,12 @@ def test_on_call_logs_in_reads_live_plots_and_rolls_back_from_the_page(
 
     browser.find_element(By.ID, "key").send_keys(admin_key(settings))
     browser.find_element(By.ID, "login").click()
+    wait.until(seen.presence_of_element_located((By.ID, "versions")))  # the dashboard, not the login page
     # Both versions' curves, drawn from their judged completions once the reward window closes.
     for version in (before, candidate.version):
         WebDriverWait(browser, 90, poll_frequency=2).until(
             lambda b, v=version: b.find_elements(By.CSS_SELECTOR, f'#rates svg g[id="accept-{v}"]')
-            or b.execute_script("refreshPlot()"))
+            or b.execute_script("typeof refreshPlot === 'function' && refreshPlot()"))  # script may still load
     assert candidate.version in browser.execute_script("return document.querySelector('#rates').textContent")
     refreshed = WebDriverWait(browser, 60, ignored_exceptions=[StaleElementReferenceException])
     refreshed.until(lambda b: any(row.text.startswith(f"{candidate.version} stable")
