@@ -75,8 +75,11 @@ def primer(tokenizer, count: int, level2_share: float, compound_share: float, se
     return functions
 
 
-def build(out: Path, functions: int, level2_share: float, compound_share: float, steps: int) -> Path:
+def build(out: Path, functions: int, level2_share: float, compound_share: float, steps: int, tie: bool) -> Path:
     plain = starter.token_stream
+    if tie:  # this process only, as the primer: input and output embeddings are one matrix
+        untied = starter.Qwen3MoeConfig
+        starter.Qwen3MoeConfig = lambda **config: untied(**{**config, "tie_word_embeddings": True})
 
     def with_primer(files, tokenizer):
         ids = []
@@ -107,8 +110,9 @@ def main(functions: int = typer.Option(40000, min=1, help="Primer functions appe
          compound_share: float = typer.Option(0.0, help="Share of parameter names made of two pool words."),
          steps: int = typer.Option(3000, help="Mid-training steps (the starter's recipe: 600)."),
          tasks: int = typer.Option(20, help="Training tasks per level sampled 16 times at temperature 1."),
+         tie: bool = typer.Option(False, help="Tie the input and output embeddings (the recipe does not)."),
          out: Path = typer.Option(Path("/tmp/starter-primer"))) -> None:
-    model_dir = build(out, functions, level2_share, compound_share, steps)
+    model_dir = build(out, functions, level2_share, compound_share, steps, tie)
     torch.manual_seed(0)
     torch.set_num_threads(1)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
