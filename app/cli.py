@@ -480,20 +480,19 @@ def demo(minutes: float = typer.Option(10.0, help="How long the simulated produc
          heldout: int = typer.Option(50, help="With --load day: held-out coding tasks each evaluated version "
                                      "is scored on (greedy).")) -> None:
     """Start the stack, let simulated users teach the policy a hidden rule, show it learning."""
-    import shutil
     import signal
     import sys
 
     from app.demo import demo_settings, run_demo
-    from app.stack import running
+    from app.stack import StackError, wipe_data_dir
 
     # `kill` (a stopped benchmark, a CI timeout) unwinds as Ctrl-C does: the stack goes down with the demo.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     settings = demo_settings(day=load is DemoLoad.day)
-    if running(settings):  # its state is about to be wiped: never under a live demo
-        fail(f"a demo is already running in {settings.data_dir}; `liverl down --data-dir "
-             f"{settings.data_dir}` stops it")
-    shutil.rmtree(settings.data_dir, ignore_errors=True)  # every demo starts from the starter policy
+    try:
+        wipe_data_dir(settings)  # every demo starts from the starter policy
+    except StackError as error:
+        fail(str(error))
     result = run_demo(settings, minutes, users, seed, max_tokens=24, out_dir=out, console=console,
                       day_minutes=day_minutes if load is DemoLoad.day else None, heldout=heldout)
     # The per-version table is printed above; the curve is in the plot and summary.json.

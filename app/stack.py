@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -175,6 +176,15 @@ def running(settings: Settings) -> bool:
     return (existing := read_manifest(settings)) is not None and any(alive(c.pid) for c in existing.components)
 
 
+def wipe_data_dir(settings: Settings) -> None:
+    """Remove `settings.data_dir` for a run from the starter; never under a live stack, whose
+    manifest (the only record of its processes for `liverl down`) would go with it."""
+    if running(settings):
+        raise StackError(f"a stack is already running in {settings.data_dir}; `liverl down --data-dir "
+                         f"{settings.data_dir}` stops it")
+    shutil.rmtree(settings.data_dir, ignore_errors=True)
+
+
 def up(settings: Settings, say: Callable[[str], None] = print, progress: bool = True) -> Manifest:
     if running(settings):
         raise StackError("the stack is already running; `liverl status` shows it, `liverl down` stops it")
@@ -267,8 +277,14 @@ def drain(settings: Settings, timeout: float, say: Callable[[str], None]) -> Non
                                  f"see {settings.run_dir / (component + '.log')} and `liverl up` again")
         if settings.learner.enabled and not lags["liverl-feedback"]:
             # Every sample is out: the learner learns from what it still holds.
-            httpx.post(settings.url(settings.ports.learner) + "/flush", params={"reason": "liverl down drains"},
-                       headers=admin_headers(settings), timeout=10)
+            try:
+                httpx.post(settings.url(settings.ports.learner) + "/flush", params={"reason": "liverl down drains"},
+                           headers=admin_headers(settings), timeout=10)
+            except httpx.HTTPError as error:
+                if "learner" in pids and not alive(pids["learner"]):
+                    raise StackError(f"learner died before the drain ended; see {settings.run_dir / 'learner.log'}"
+                                     " and `liverl up` again (its uncommitted samples are read again)") from error
+                say(f"  the learner did not answer /flush ({error!r}); asking again")
         if time.time() > deadline:
             raise StackError(f"drain timed out with lag {lags}; rerun `liverl down` or use --force")
         say(f"  draining: {lags}")

@@ -15,7 +15,6 @@ serving pause. `--executor` picks vLLM's executor for the replicas
 from __future__ import annotations
 
 import json
-import shutil
 import statistics
 import time
 from pathlib import Path
@@ -27,7 +26,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from app.demo import Population, demo_settings
-from app.stack import down, up
+from app.stack import down, up, wipe_data_dir
 from liverl.keys import admin_headers
 from liverl.pool import read_pool, set_replica
 from liverl.settings import ServingConfig
@@ -42,7 +41,7 @@ def main(rounds: int = 30, executor: str = "uni", users: int = 4, seed: int = 0,
     settings.data_dir = settings.data_dir.parent / "bench-commit"
     settings.serving = ServingConfig.model_validate({**settings.serving.model_dump(), "replicas": 2,
                                                      "executor": executor})
-    shutil.rmtree(settings.data_dir, ignore_errors=True)
+    wipe_data_dir(settings)  # every run from the starter
     up(settings, say=console.print)
     commits = []
     try:

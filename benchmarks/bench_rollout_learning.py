@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 from pathlib import Path
 
@@ -88,12 +87,12 @@ def main(minutes: float = typer.Option(10.0, help="How long rollouts run."),
     os.environ.update(ROLLOUTS_ONLY)
     os.environ.update(dict(item.split("=", 1) for item in set_))
     from app.demo import demo_settings, heldout_by_version
-    from app.stack import down, drain, stop_sources, up
+    from app.stack import down, drain, stop_sources, up, wipe_data_dir
     from policies.registry import Registry
     from promotion.sequential import wilson
 
     settings = demo_settings(day=True)
-    shutil.rmtree(settings.data_dir, ignore_errors=True)  # from the starter, every run
+    wipe_data_dir(settings)  # every run from the starter
     out.mkdir(parents=True, exist_ok=True)
     up(settings, say=console.print)
     started = time.time()
@@ -112,8 +111,8 @@ def main(minutes: float = typer.Option(10.0, help="How long rollouts run."),
                 live.update(progress_table(time.time() - started, status))
         stop_sources(settings, ("rollouts", "capacity"))
         drain(settings, settings.drain_timeout_s, say=lambda _: None)
-    finally:
-        down(settings, say=console.print)
+    finally:  # drained above when the run ended whole; on a failure, nothing is left running
+        down(settings, say=console.print, force=True)
     console.print(f"evaluating up to {versions + 1} versions on {heldout} held-out tasks (greedy)")
     points = heldout_by_version(settings, started, heldout, most=versions, until_s=minutes * 60)
     for p in points:

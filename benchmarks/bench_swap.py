@@ -16,7 +16,6 @@ version and its parent: the same figures without contention.
 from __future__ import annotations
 
 import json
-import shutil
 import statistics
 import time
 from pathlib import Path
@@ -28,7 +27,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from app.demo import Population, demo_settings
-from app.stack import down, drain, up
+from app.stack import down, drain, up, wipe_data_dir
 from liverl.keys import admin_headers
 from liverl.pool import read_pool
 from liverl.settings import Settings
@@ -85,7 +84,7 @@ def main(replicas: int = 2, minutes: float = 4.0, users: int = 4, seed: int = 0,
     settings = demo_settings()
     settings.data_dir = settings.data_dir.parent / "bench-swap"
     settings.serving.replicas = replicas
-    shutil.rmtree(settings.data_dir, ignore_errors=True)  # each run from the starter, comparable
+    wipe_data_dir(settings)  # every run from the starter
     up(settings, say=console.print)
     try:
         keys = json.loads((settings.data_dir / "dev-keys.json").read_text())

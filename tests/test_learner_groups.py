@@ -66,3 +66,40 @@ def test_a_drain_ends_when_only_incomplete_groups_hold_the_learner_back(monkeypa
     assert not any(only_open_groups_left(settings, lags, held) for _ in range(4))
     health["open_groups"] = 1
     assert not any(only_open_groups_left(settings, {**lags, "liverl-sink": 5}, held) for _ in range(4))
+
+
+def test_a_drain_names_a_dead_learner_instead_of_failing_on_its_port(tmp_path, monkeypatch):
+    """The learner died (a crash in training) with its offsets committed, while the sink
+    still catches up: the drain's /flush finds nobody at the port. It must say the learner
+    died (a StackError `liverl down` and the benchmarks report), not raise a bare
+    ConnectError that leaves the stack up. (The lags are faked: a broker that holds one
+    group back on demand is not at hand.)"""
+    import subprocess
+    import sys
+
+    import httpx
+    import pytest
+
+    from app.stack import StackError, drain
+    from liverl.manifest import Component, Manifest, manifest_file
+    from liverl.settings import Settings
+
+    monkeypatch.setenv("LIVERL_DATA_DIR", str(tmp_path))
+    monkeypatch.setenv("LIVERL_ADMIN_KEY", "lrl_adm_test")
+    settings = Settings()
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    manifest_file(settings).parent.mkdir(parents=True)
+    manifest_file(settings).write_text(Manifest(cluster_id="c", started_at=0, components=[
+        Component(name="learner", pid=gone.pid, log="learner.log")]).model_dump_json())
+    lags = {"liverl-feedback": 0, "liverl-sink": 4, "liverl-learner": 0}
+
+    async def lag(_settings, group, _topics):
+        return lags[group]
+
+    def refused(*_args, **_kwargs):
+        raise httpx.ConnectError("[Errno 111] Connection refused")
+    monkeypatch.setattr("app.stack.group_lag", lag)
+    monkeypatch.setattr("app.stack.httpx.post", refused)
+    with pytest.raises(StackError, match="learner died"):
+        drain(settings, timeout=5, say=lambda _: None)
