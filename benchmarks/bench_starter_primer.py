@@ -91,7 +91,19 @@ def build(out: Path, functions: int, level2_share: float, compound_share: float,
         return torch.cat([corpus, torch.tensor(ids)])
 
     starter.token_stream = with_primer  # this process only: the recipe file is unchanged
-    return starter.build_starter_policy(out, train_steps=steps)
+    model_dir = starter.build_starter_policy(out, train_steps=steps)
+    if tie:
+        untie(model_dir)
+    return model_dir
+
+
+def untie(model_dir: Path) -> None:
+    """Save the checkpoint with `lm_head` a copy of the embeddings: the learner, the delta
+    codec and vLLM's weight updates take untied checkpoints; equal now, free to part in RL."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(model.model.embed_tokens.weight.detach().clone())
+    model.save_pretrained(model_dir)
 
 
 def copy_probe(model, tokenizer, names: list[str]) -> dict[str, tuple[str, float]]:
