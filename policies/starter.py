@@ -2,7 +2,8 @@
 
 A byte-level BPE tokenizer is trained on the Python standard library's own sources
 (present on every machine, so nothing is downloaded), the MoE is initialised from the
-seed and mid-trained briefly on the same sources, and the result is saved in Hugging
+seed and mid-trained briefly on the same sources plus a primer of one-line functions in the
+coding tasks' shape (`policies/primer.py`), and the result is saved in Hugging
 Face format with bf16 weights (a published version is the bf16 rounding of the fp32
 master weights) so both vLLM and transformers load it. Built once, then cached: the
 build happens in a temporary directory whose last file is a marker holding the hash of
@@ -25,6 +26,10 @@ import transformers
 from rich.progress import Progress
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+import liverl.task_pools as task_pools
+import policies.primer as primer_module
+from policies.primer import primer_tokens
 
 EOS = "<|endoftext|>"
 MARKER = "liverl_starter.json"
@@ -64,9 +69,13 @@ def token_stream(files: list[Path], tokenizer: PreTrainedTokenizerFast) -> torch
     return torch.tensor(ids)
 
 
-def build_key(args: dict[str, int]) -> str:
-    """Hash of the arguments, this recipe's source and the libraries that decide the bits."""
-    identity = dict(args, recipe=hashlib.sha256(Path(__file__).read_bytes()).hexdigest(),
+RECIPE = [Path(__file__), Path(primer_module.__file__), Path(task_pools.__file__)]
+
+
+def build_key(args: dict[str, int | float | bool]) -> str:
+    """Hash of the arguments, the recipe's sources and the libraries that decide the bits."""
+    recipe = hashlib.sha256(b"".join(path.read_bytes() for path in RECIPE)).hexdigest()
+    identity = dict(args, recipe=recipe,
                     torch=torch.__version__, transformers=transformers.__version__,
                     tokenizers=tokenizers.__version__)
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
@@ -81,13 +90,25 @@ def build_starter_policy(
     num_layers: int = 3,
     num_experts: int = 8,
     top_k: int = 2,
-    train_steps: int = 600,
+    train_steps: int = 3000,
     corpus_limit: int = 300,
+    primer_functions: int = 40000,
+    primer_level2_share: float = 0.2,
+    tie_embeddings: bool = True,
     progress: bool = True,
 ) -> Path:
-    """Build (or find cached) the starter policy in out_dir; returns out_dir."""
+    """Build (or find cached) the starter policy in out_dir; returns out_dir.
+
+    `primer_functions` one-line functions in the coding tasks' shape join the corpus
+    (`policies/primer.py`); with `tie_embeddings` the input and output embeddings are one
+    matrix during mid-training, so copying a token from the context predicts it for any
+    name, not only the ones the primer copied (level 1 at temperature 1: 18.1% tied, 4.1%
+    untied; docs/benchmarks.md). The checkpoint is saved untied, as the learner, the delta
+    codec and vLLM's weight updates take it."""
     args = dict(seed=seed, vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers,
-                num_experts=num_experts, top_k=top_k, train_steps=train_steps, corpus_limit=corpus_limit)
+                num_experts=num_experts, top_k=top_k, train_steps=train_steps, corpus_limit=corpus_limit,
+                primer_functions=primer_functions, primer_level2_share=primer_level2_share,
+                tie_embeddings=tie_embeddings)
     key = build_key(args)
     marker = out_dir / MARKER
     if marker.exists() and json.loads(marker.read_text()).get("key") == key:
@@ -108,13 +129,19 @@ def build_starter_policy(
             moe_intermediate_size=hidden_size, num_hidden_layers=num_layers, num_attention_heads=4,
             num_key_value_heads=2, head_dim=32,  # vLLM's CPU attention needs head_dim >= 32
             num_experts=num_experts, num_experts_per_tok=top_k, norm_topk_prob=True,
-            max_position_embeddings=1024, tie_word_embeddings=False,
+            max_position_embeddings=1024, tie_word_embeddings=tie_embeddings,
             bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.eos_token_id,
         )
         model = Qwen3MoeForCausalLM(config)
-        mid_train(model, token_stream(files, tokenizer), train_steps, seed, progress)
-        model.to(torch.bfloat16).save_pretrained(staging)
+        tokens = token_stream(files, tokenizer)
+        if primer_functions:
+            tokens = torch.cat([tokens, torch.tensor(primer_tokens(tokenizer, primer_functions, primer_level2_share))])
+        mid_train(model, tokens, train_steps, seed, progress)
+        model.to(torch.bfloat16)
+        if tie_embeddings:
+            untie(model)
+        model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         (staging / MARKER).write_text(json.dumps({"key": key, "args": args}))
     except BaseException:
@@ -125,6 +152,12 @@ def build_starter_policy(
     shutil.rmtree(out_dir, ignore_errors=True)
     staging.rename(out_dir)
     return out_dir
+
+
+def untie(model: Qwen3MoeForCausalLM) -> None:
+    """`lm_head` becomes a copy of the embeddings: equal now, free to part in RL."""
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(model.model.embed_tokens.weight.detach().clone())
 
 
 def mid_train(model: Qwen3MoeForCausalLM, tokens: torch.Tensor, steps: int, seed: int,

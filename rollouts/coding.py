@@ -27,23 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from liverl.task_pools import CONSTANTS, NAMES, PARAMS
 from rollouts.environment import Environment, MultiTurnEnvironment, Split, Task
 from rollouts.sandbox import Case, SandboxLimits, cases_from_asserts, run_tests
-
-# Function and parameter names, and constants, per split: disjoint, so no held-out task
-# is a training task with a new seed.
-NAMES = {
-    "train": ["convert", "handle", "process", "compute", "transform", "apply", "prepare", "resolve",
-              "update", "build", "render", "measure"],
-    "heldout": ["evaluate", "derive", "produce", "adjust", "shape", "finish", "digest", "settle",
-                "refine", "gather"],
-}
-PARAMS = {
-    "train": ["value", "name", "path", "key", "line", "data", "result", "item", "text", "args", "node",
-              "size"],
-    "heldout": ["obj", "count", "word", "entry", "source", "mode", "token", "buf", "field", "part"],
-}
-CONSTANTS = {"train": [2, 3, 5, 7, 10, 12], "heldout": [4, 6, 8, 9, 11]}
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from policies.starter import MARKER, build_starter_policy
 REPO = Path(__file__).resolve().parents[1]
 # Tiny but complete: every stage of the real build runs, in seconds.
 TINY = dict(seed=7, vocab_size=320, hidden_size=32, num_layers=1, num_experts=4, top_k=2,
-            train_steps=3, corpus_limit=12, progress=False)
+            train_steps=3, corpus_limit=12, primer_functions=50, progress=False)
 
 
 def digests(directory: Path) -> dict[str, str]:
@@ -49,6 +49,10 @@ def test_loads_as_a_bf16_qwen3_moe(built: Path) -> None:
     assert config.dtype == torch.bfloat16
     with safe_open(built / "model.safetensors", "pt") as weights:
         assert {weights.get_tensor(name).dtype for name in weights.keys()} == {torch.bfloat16}
+        # Tied in mid-training, saved untied (the learner and the delta codec take one
+        # tensor per name): the output matrix starts as a copy of the embeddings.
+        assert not config.tie_word_embeddings
+        assert torch.equal(weights.get_tensor("lm_head.weight"), weights.get_tensor("model.embed_tokens.weight"))
 
     tokenizer = AutoTokenizer.from_pretrained(built)
     model = AutoModelForCausalLM.from_pretrained(built, dtype=torch.float32)

@@ -1,0 +1,61 @@
+"""The starter's primer: short documented one-line functions in the coding tasks' shape,
+
+    def fetch(archive):
+        \"\"\"Return archive unchanged.\"\"\"
+        return archive
+
+appended to the mid-training corpus, so the starter sometimes copies a parameter name after
+`return` (level 1 of the coding environment) and GRPO has a signal from the start. Names
+are the tokenizer's single-token lower-case words minus the coding splits' pools (and
+keywords and builtins), constants lie outside both splits: no task of either split is in
+the primer, so a held-out pass is a copy, not a memory (docs/benchmarks.md, "A starter
+with a primer" and "Tied embeddings during mid-training").
+"""
+
+from __future__ import annotations
+
+import builtins
+import keyword
+import random
+import re
+
+from transformers import PreTrainedTokenizerFast
+
+from liverl.task_pools import CONSTANTS, NAMES, PARAMS
+
+SPLIT_NAMES = {name for pool in (NAMES, PARAMS) for names in pool.values() for name in names}
+LEVEL1 = ["Return {a} unchanged.", "Return {a} as it is.", "Return {a}.", "Give back {a}."]
+LEVEL2 = [("Return {a} plus {k}.", "{a} + {k}"), ("Return {a} times {k}.", "{a} * {k}"),
+          ("Return {a} minus {k}.", "{a} - {k}")]
+
+
+def name_pool(tokenizer: PreTrainedTokenizerFast) -> list[str]:
+    """Lower-case words that are one token after a space, none of them a task's name."""
+    banned = SPLIT_NAMES | set(keyword.kwlist) | set(dir(builtins))
+    words = {tokenizer.convert_tokens_to_string([t]).strip() for t in tokenizer.get_vocab()}
+    return sorted(w for w in words if re.fullmatch(r"[a-z][a-z0-9_]{1,11}", w) and w not in banned
+                  and len(tokenizer(" " + w)["input_ids"]) == 1)
+
+
+def primer(tokenizer: PreTrainedTokenizerFast, count: int, level2_share: float, seed: int = 0) -> list[str]:
+    """`count` functions; a `level2_share` of them add, multiply or subtract a constant."""
+    rng = random.Random(seed)
+    names = name_pool(tokenizer)
+    if count and not names:
+        raise ValueError("the tokenizer has no single-token lower-case word to name a primer function")
+    constants = [k for k in range(1, 100) if k not in CONSTANTS["train"] + CONSTANTS["heldout"]]
+    functions = []
+    for _ in range(count):
+        function, a, k = rng.choice(names), rng.choice(names), rng.choice(constants)
+        doc, answer = rng.choice(LEVEL2) if rng.random() < level2_share else (rng.choice(LEVEL1), "{a}")
+        functions.append(f'def {function}({a}):\n    """{doc.format(a=a, k=k)}"""\n'
+                         f'    return {answer.format(a=a, k=k)}\n')
+    return functions
+
+
+def primer_tokens(tokenizer: PreTrainedTokenizerFast, count: int, level2_share: float) -> list[int]:
+    """The primer's functions as one token stream, each followed by EOS."""
+    ids: list[int] = []
+    for text in primer(tokenizer, count, level2_share):
+        ids.extend(tokenizer(text)["input_ids"] + [tokenizer.eos_token_id])
+    return ids
