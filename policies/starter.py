@@ -28,8 +28,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 import liverl.task_pools as task_pools
-import policies.primer as primer_module
-from policies.primer import primer_tokens
+import policies.primer as primer
 
 EOS = "<|endoftext|>"
 MARKER = "liverl_starter.json"
@@ -69,7 +68,7 @@ def token_stream(files: list[Path], tokenizer: PreTrainedTokenizerFast) -> torch
     return torch.tensor(ids)
 
 
-RECIPE = [Path(__file__), Path(primer_module.__file__), Path(task_pools.__file__)]
+RECIPE = [Path(__file__), Path(primer.__file__), Path(task_pools.__file__)]
 
 
 def build_key(args: dict[str, int | float | bool]) -> str:
@@ -136,7 +135,7 @@ def build_starter_policy(
         model = Qwen3MoeForCausalLM(config)
         tokens = token_stream(files, tokenizer)
         if primer_functions:
-            tokens = torch.cat([tokens, torch.tensor(primer_tokens(tokenizer, primer_functions, primer_level2_share))])
+            tokens = torch.cat([tokens, torch.tensor(primer.primer_tokens(tokenizer, primer_functions, primer_level2_share))])
         mid_train(model, tokens, train_steps, seed, progress)
         model.to(torch.bfloat16)
         if tie_embeddings:
