@@ -409,12 +409,18 @@ def guard_verdicts(settings: Settings) -> list[dict]:
 
 def stable_regressions(settings: Settings, per_version: list[dict], min_served: int = 200,
                        drop: float = 0.10) -> list[dict]:
-    """Versions that reached stable serving clearly worse than the stable they replaced:
-    the 95% Wilson upper bound of their accept rate (from ClickHouse, at least
-    `min_served` completions) more than `drop` below the replaced version's rate."""
+    """Versions that reached stable serving clearly worse than the stable they replaced
+    (`regressions`), in the order the registry made them stable."""
+    order = [e["version"] for e in Registry(settings.policies_dir).history() if e["to"] == "stable"]
+    return regressions(order, per_version, min_served, drop)
+
+
+def regressions(order: list[str], per_version: list[dict], min_served: int = 200, drop: float = 0.10) -> list[dict]:
+    """Of the versions in `order`, each replacing the one before it: those whose 95%
+    Wilson upper bound on the accept rate (from ClickHouse's per-version figures, at
+    least `min_served` completions) is more than `drop` below the replaced version's rate."""
     rates = {row["policy_version"]: (row["accept_rate"], int(row["n"])) for row in per_version
              if row["accept_rate"] is not None}
-    order = [e["version"] for e in Registry(settings.policies_dir).history() if e["to"] == "stable"]
     worse = []
     for before, after in zip(order, order[1:]):
         if before not in rates or after not in rates or rates[after][1] < min_served:

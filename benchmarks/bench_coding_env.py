@@ -3,6 +3,8 @@ and greedily on the held-out set, sampled with transformers (no stack needed).
 
     .venv/bin/python benchmarks/bench_coding_env.py                 # the starter policy
     .venv/bin/python benchmarks/bench_coding_env.py --model DIR     # any HF checkpoint
+    .venv/bin/python benchmarks/bench_coding_env.py --model DIR --tasks-per-level 0 \
+        --heldout-levels 1 --heldout-levels 2 --examples 20       # what a trained version answers held out
 
 The issue's bar for the built-in environment: the starter passes at least 5% of the
 easiest level at temperature 1 (GRPO gets signal at once) and at most 30% of 200
@@ -12,6 +14,7 @@ held-out tasks greedily (there is room to learn).
 from __future__ import annotations
 
 import random
+import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -24,6 +27,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from liverl.settings import StarterPolicyConfig
 from policies.starter import build_starter_policy
+from liverl.task_pools import PARAMS
 from rollouts.coding import LEVELS, CodingEnvironment
 from rollouts.evaluate import first_lines
 
@@ -32,6 +36,8 @@ def main(model: Path | None = typer.Option(None, help="HF checkpoint; default: t
          tasks_per_level: int = typer.Option(40, help="Tasks per level sampled at temperature 1."),
          samples: int = typer.Option(16, help="Samples per task at temperature 1 (a group)."),
          heldout: int = typer.Option(200, help="Held-out tasks, each sampled once greedily."),
+         heldout_levels: list[int] = typer.Option([], help="Levels of the held-out set; default: all."),
+         examples: int = typer.Option(0, help="Held-out tasks failed greedily to show with the answer."),
          max_tokens: int = typer.Option(16, help="Tokens per completion."),
          seed: int = typer.Option(0)) -> None:
     torch.manual_seed(seed)
@@ -44,7 +50,7 @@ def main(model: Path | None = typer.Option(None, help="HF checkpoint; default: t
     table = Table(title=f"coding environment, {model_dir}")
     for column in ("tasks", "sampling", "completions", "passed", "pass rate", "tasks with a pass"):
         table.add_column(column)
-    for level in LEVELS:
+    for level in LEVELS if tasks_per_level else []:
         level_env = CodingEnvironment(levels=[level])
         tasks = [next(level_env.tasks("train", random.Random(seed + i))) for i in range(tasks_per_level)]
         solved = []
@@ -54,11 +60,28 @@ def main(model: Path | None = typer.Option(None, help="HF checkpoint; default: t
         passed = sum(map(sum, solved))
         table.add_row(f"train, level {level}", "temperature 1", str(len(tasks) * samples), str(passed),
                       f"{passed / (len(tasks) * samples):.1%}", str(sum(any(s) for s in solved)))
-    held = env.heldout(heldout, seed=seed)
+    held_env = CodingEnvironment(levels=heldout_levels or None)
+    held = held_env.heldout(heldout, seed=seed)
     lines = [first_lines(policy, tokenizer, t, 1, True, max_tokens)[0] for t in track(held, description="held-out")]
-    passed = sum(scoring.map(env.solved, held, lines))
-    table.add_row("held-out, all levels", "greedy", str(len(held)), str(passed), f"{passed / len(held):.1%}", "")
-    Console().print(table)
+    solved = list(scoring.map(held_env.solved, held, lines))
+    levels = ", ".join(map(str, heldout_levels)) if heldout_levels else "all"
+    table.add_row(f"held-out, levels {levels}", "greedy", str(len(held)), str(sum(solved)),
+                  f"{sum(solved) / len(held):.1%}", "")
+    console = Console()
+    console.print(table)
+    # A policy that learned the training split name by name answers a held-out task with a
+    # training parameter's name where the task's own belongs.
+    training_names = [line for line in lines if (word := re.match(r"\s*(\w+)", line)) and word[1] in PARAMS["train"]]
+    console.print(f"held-out answers that begin with a parameter name of the training split: "
+                  f"{len(training_names)} of {len(held)}")
+    failed = [(task, line) for task, line, ok in zip(held, lines, solved) if not ok][:examples]
+    if failed:
+        shown = Table(title=f"held-out tasks failed greedily (first {len(failed)})")
+        for column in ("docstring", "answer", "reference"):
+            shown.add_column(column)
+        for task, line in failed:
+            shown.add_row(task.prompt.split('"""')[1], repr(line), repr(task.reference))
+        console.print(shown)
 
 
 if __name__ == "__main__":

@@ -133,12 +133,23 @@ class Trainer:
             for layer in self.model.model.layers:
                 fully_shard(layer)
             fully_shard(self.model)
-        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=config.lr)
+        names = [name for name, _ in self.model.named_parameters()]
+        if unmatched := [part for part in config.frozen_parameters if not any(part in name for name in names)]:
+            raise ValueError(f"learner.frozen_parameters: {unmatched} name no weight of this policy "
+                             f"(its weights: {', '.join(names[:4])}, ...)")
+        for name, weight in self.model.named_parameters():
+            weight.requires_grad_(not any(part in name for part in config.frozen_parameters))
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.Adam(self.trainable, lr=config.lr)
         self.baseline = RunningBaseline()
         if state is not None:
             saved = torch.load(state, weights_only=True)  # never unpickle arbitrary objects
             self.model.load_state_dict(saved["model"])
-            self.optimizer.load_state_dict(saved["optimizer"])
+            try:
+                self.optimizer.load_state_dict(saved["optimizer"])
+            except ValueError as error:  # Adam's state is per trained tensor
+                raise ValueError(f"{state}: its optimizer state was saved for other trained tensors "
+                                 f"(was LIVERL_LEARNER__FROZEN_PARAMETERS changed?): {error}") from error
             self.baseline.means = saved["baseline"]
         self.arch = Architecture.of(self.model.config)
         self.layers, self.top_k = self.arch.layers, self.arch.top_k
@@ -215,7 +226,7 @@ class Trainer:
                     replayed_mismatched += router_replay.routing_mismatch(
                         router_replay.used_routing(self.model), batch.routing, batch.attention) * n
                     routed += n
-            stats["grad_norm"].append(float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)))
+            stats["grad_norm"].append(float(torch.nn.utils.clip_grad_norm_(self.trainable, 1.0)))
             self.optimizer.step()
             for k, v in step_stats.items():
                 stats[k].append(v)

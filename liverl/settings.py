@@ -300,6 +300,11 @@ class LearnerConfig(Config):
         "tenant", description="What a lone completion's running reward baseline is kept per: its tenant, or "
         "its tenant and its prompt's last two tokens (a crude value of the kind of prompt it answers).")
     lr: float = Field(1e-5, gt=0.0, le=1.0, description="Adam learning rate on the fp32 master weights.")
+    frozen_parameters: list[str] = Field(
+        default_factory=list, description="Weights kept as the starter has them: those whose names contain "
+        "any of these (e.g. embed_tokens, lm_head: the update then changes how the policy uses each token, "
+        "not how much it favours it). Empty: every weight trains.",
+    )
     minibatch: int = Field(
         16, ge=1, description="Sequences per gradient step (more when a batch needs more steps than the next allows).",
     )

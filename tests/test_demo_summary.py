@@ -17,6 +17,7 @@ from app.demo import (
     day_load,
     harvest,
     lent_intervals,
+    regressions,
     summary,
     take_back_seconds,
 )
@@ -27,6 +28,20 @@ def tally(start: float, verdicts: list[bool]) -> Tally:
     """One verdict a second from `start`."""
     return Tally(served=len(verdicts), accepted=sum(verdicts), first_at=start,
                  log=[(start + i, ok) for i, ok in enumerate(verdicts)])
+
+
+def test_a_stable_regression_is_a_version_clearly_worse_than_the_one_it_replaced():
+    """The issue's count: 95% Wilson upper bound more than 10 points under the replaced
+    version's rate, among versions served at least 200 times."""
+    rows = [{"policy_version": v, "n": n, "accept_rate": rate} for v, n, rate in
+            [("v0", 1000, 0.80), ("v1", 400, 0.64), ("v2", 400, 0.60), ("v3", 150, 0.10), ("v4", 300, 0.60)]]
+    worse = regressions(["v0", "v1", "v2", "v3", "v4"], rows)
+    # v1: 0.64 of 400 has an upper bound of 0.686, under 0.80 - 0.10; v2 is close to v1; v3
+    # served too few to count; v4 replaced v3 (0.10) and is better.
+    assert [(w["version"], w["replaced"]) for w in worse] == [("v1", "v0")]
+    assert worse[0]["upper"] == pytest.approx(0.686, abs=1e-3)
+    # Each is judged against what it replaced in `order`: v2 straight after v0 is one too.
+    assert regressions(["v0", "v2"], rows)[0]["version"] == "v2"
 
 
 def test_the_last_two_minutes_and_the_time_to_forty_points():

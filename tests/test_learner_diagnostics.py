@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from test_distributed_learner import sampled
 
 from learner.trainer import Trainer
@@ -57,3 +58,23 @@ def test_an_entropy_bonus_keeps_the_policy_less_sure_than_the_same_steps_without
     exploring = Trainer(starter_dir, config.model_copy(update={"entropy_coef": 0.1})).train(samples)
     assert exploring["untrainable"] == {}
     assert exploring["entropy"] > plain["entropy"] + 0.05
+
+
+def test_frozen_embeddings_stay_as_the_starter_has_them_while_the_rest_learns(starter_dir: Path, tmp_path: Path):
+    """`frozen_parameters`: the update may change how the policy uses each token, not the
+    token's own vectors in or out. A saved state resumed under another setting, or a name
+    that matches no weight, is refused by name instead of failing deep in Adam or freezing
+    nothing."""
+    samples = sampled(starter_dir, count=6)
+    trainer = Trainer(starter_dir, LearnerConfig(minibatch=3, lr=1e-3, frozen_parameters=["embed_tokens", "lm_head"]))
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    assert trainer.train(samples)["kl_from_parent"] > 0
+    after = trainer.model.state_dict()
+    frozen = {"model.embed_tokens.weight", "lm_head.weight"}
+    assert all(torch.equal(before[k], after[k]) for k in frozen)
+    assert any(not torch.equal(before[k], after[k]) for k in set(before) - frozen)
+    trainer.save_state(tmp_path / "v1.pt")
+    with pytest.raises(ValueError, match="FROZEN_PARAMETERS"):
+        Trainer(starter_dir, LearnerConfig(), tmp_path / "v1.pt")
+    with pytest.raises(ValueError, match="lm_heads"):
+        Trainer(starter_dir, LearnerConfig(frozen_parameters=["lm_heads"]))
