@@ -26,8 +26,8 @@ from rich.table import Table
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from liverl.settings import StarterPolicyConfig
-from policies.starter import build_starter_policy
 from liverl.task_pools import PARAMS
+from policies.starter import build_starter_policy
 from rollouts.coding import LEVELS, CodingEnvironment
 from rollouts.evaluate import first_lines
 

@@ -12,7 +12,7 @@ the one served before it. With `--against`, folders of today's runs (`seed-N/sum
     .venv/bin/python benchmarks/summarise_old_demo.py bench-learning/old-0ae964d
     .venv/bin/python benchmarks/summarise_old_demo.py bench-learning/old-0ae964d-tied \\
         --against bench-learning/tie40k-seed0-nov26 --against bench-learning/tie40k-seeds1-4-nov26 \\
-        --plot docs/learning-old-vs-guard-tied-starter.png
+        --plot docs/learning-old-vs-guard-tied-starter-nov26.png
 """
 
 import json
