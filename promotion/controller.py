@@ -110,6 +110,7 @@ class Controller:
                       if self.config.quiet_canary_s else None)
         # One change at a time: the loop's look and on-call's commands (the admin API).
         self.lock = threading.RLock()
+        self.http = httpx.Client()  # the sink's figures and the gateway's load, every look: one client
 
     @property
     def judge_after_s(self) -> float:
@@ -118,7 +119,7 @@ class Controller:
 
     def figure_rows(self, versions: list[str], since: float, until: float, bucket_s: int | None = None) -> list[dict]:
         """The sink's `/figures`: per version and tenant (and time bucket), judged production completions."""
-        response = httpx.post(self.settings.url(self.settings.ports.sink) + "/figures", timeout=30,
+        response = self.http.post(self.settings.url(self.settings.ports.sink) + "/figures", timeout=30,
                               headers=admin_headers(self.settings),
                               json={"versions": versions, "since": utc(since), "until": utc(until), "bucket_s": bucket_s})
         response.raise_for_status()
@@ -131,13 +132,13 @@ class Controller:
         """Whether the gateway routed enough production requests lately to judge a canary on
         (its `/admin/load`)."""
         try:
-            return read_gateway_load(self.settings).requests_per_s > self.config.quiet_requests_per_s
+            return read_gateway_load(self.settings, self.http).requests_per_s > self.config.quiet_requests_per_s
         except httpx.HTTPError:
             return True  # unknown: behave as without the setting
 
     def serving_figures(self, versions: list[str], since: float, until: float) -> dict[str, dict]:
         """The sink's `/serving-figures`: per version, answers, server errors, p50 and p99 latency."""
-        response = httpx.post(self.settings.url(self.settings.ports.sink) + "/serving-figures", timeout=30,
+        response = self.http.post(self.settings.url(self.settings.ports.sink) + "/serving-figures", timeout=30,
                               headers=admin_headers(self.settings),
                               json={"versions": versions, "since": utc(since), "until": utc(until)})
         response.raise_for_status()

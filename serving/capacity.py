@@ -116,9 +116,10 @@ class Scheduler:
         self.staging = threading.Lock()
         self.keeper = ThreadPoolExecutor(1, thread_name_prefix="keep-stable")
         self.keeping: Future | None = None
+        self.http = httpx.Client()  # one for every load reading (see read_gateway_load)
 
     def gateway_load(self) -> GatewayLoad:
-        return read_gateway_load(self.settings)
+        return read_gateway_load(self.settings, self.http)
 
     def canary_wanted(self, pool: Pool) -> bool:
         """The promotion controller has a candidate for the live guard, which needs two
