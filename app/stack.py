@@ -245,10 +245,12 @@ def up(settings: Settings, say: Callable[[str], None] = print, progress: bool = 
 
 
 def stop_all(settings: Settings, components: list[Component]) -> None:
-    """Stop components newest first, and every replica in the pool."""
+    """Stop components newest first, and every replica in the pool (those a swap is
+    starting too)."""
     for component in reversed(components):
         stop_pid(component.pid, timeout=10)
-    for replica in read_pool(settings).replicas:
+    pool = read_pool(settings)
+    for replica in pool.replicas + pool.starting:
         if replica.pid:
             stop_pid(replica.pid, timeout=10)
     write_pool(settings, Pool())
@@ -344,11 +346,15 @@ def status(settings: Settings) -> dict:
     rows = []
     for c in manifest.components:
         rows.append(dict(c.model_dump(), healthy=component_healthy(c.pid, c.url, c.name)))
-    for r in read_pool(settings).replicas:
+    pool = read_pool(settings)
+    for r in pool.replicas:
         rows.append(dict(name=r.name, pid=r.pid, url=r.url, log=None, policy_version=r.policy_version,
                          role="lent to rollouts" if r.alias == ROLLOUT else (f"alias {r.alias}" if r.alias
                                                                              else "production"),
                          healthy=bool(r.pid) and alive(r.pid) and replica_healthy(r.url) and r.enabled))
+    for r in pool.starting:
+        rows.append(dict(name=r.name, pid=r.pid, url=r.url, log=None, policy_version=r.policy_version,
+                         role="starting (blue/green swap)", healthy=False))
     return {"running": True, "cluster_id": manifest.cluster_id,
             "keys_file": str(settings.data_dir / "dev-keys.json"), "components": rows,
             "capacity_events": [e.model_dump(mode="json") for e in read_events(settings)[-5:]]}

@@ -38,6 +38,8 @@ class Pool(BaseModel):
     replicas: list[Replica] = Field(default_factory=list)
     aliases: dict[str, str] = Field(default_factory=dict, description="Alias -> version: `stable`, and "
                                     "`canary` while one is judged (the gateway gives it its traffic share).")
+    starting: list[Replica] = Field(default_factory=list, description="Replicas a blue/green swap launched and "
+                                    "has not verified yet: no traffic reaches them, and `liverl down` stops them.")
 
     @property
     def general(self) -> list[Replica]:

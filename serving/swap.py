@@ -39,6 +39,7 @@ from pydantic import BaseModel, Field
 from liverl.pool import (
     SERVED_MODEL_NAME,
     Replica,
+    edit_pool,
     read_pool,
     replica_client,
     set_replica,
@@ -221,6 +222,8 @@ def swap_by_restart(settings: Settings, name: str, version: str, model_dir: Path
     report = SwapReport(replica=name, version=version, ok=False, mode="restart")
     started = time.time()
     new, process = launch_replica(settings, name, model_dir, spare_url(settings, old), version)
+    with edit_pool(settings) as pool:  # in the pool from its first second, so `down` stops it too
+        pool.starting.append(new)
     try:
         wait_replica(settings, new, process)
         report.start_s = time.time() - started
@@ -229,9 +232,13 @@ def swap_by_restart(settings: Settings, name: str, version: str, model_dir: Path
         report.verify_s = time.time() - t
     except Exception as error:  # the old replica serves on untouched
         stop_pid(process.pid)
+        with edit_pool(settings) as pool:
+            pool.starting = [r for r in pool.starting if r.pid != new.pid]
         report.error = f"{type(error).__name__}: {error}"
         return report
-    set_replica(settings, name, **new.model_dump(exclude={"name"}))
+    with edit_pool(settings) as pool:  # one write: never in both lists, never in neither
+        pool.starting = [r for r in pool.starting if r.pid != new.pid]
+        pool.replicas = [new if r.name == name else r for r in pool.replicas]
     report.drain_s = drain_in_flight(old.url, settings.serving.request_timeout_s)
     if old.pid:
         stop_pid(old.pid)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 import threading
 import time
 
@@ -12,11 +13,15 @@ import httpx
 import pytest
 
 import serving.swap
-from liverl.pool import read_pool
+from app.stack import stop_all
+from helpers import wait_for
+from liverl.pool import Pool, Replica, read_pool, write_pool
+from liverl.process import alive
 from liverl.probe import PROBE_FILE
 from liverl.settings import PromotionConfig, Settings
 from policies.registry import Registry
 from promotion.controller import Controller
+from serving import replicas
 from serving.swap import VerificationFailed, swap_in_place, verify
 
 
@@ -94,3 +99,23 @@ def test_the_controller_survives_a_promotion_that_raises(tmp_path, starter_dir):
 def _copy(source, target):
     shutil.copytree(source, target)
     return target
+
+
+def test_down_during_a_blue_green_swap_stops_the_replica_being_started(monkeypatch, tmp_path):
+    # vLLM stands in as `sleep` (its start-up is not what is tested) and never answers its
+    # health check, so `liverl down` comes while the swap waits for the new replica: the
+    # one process no replica record names yet.
+    monkeypatch.setattr(replicas, "replica_command", lambda settings, model_dir, url: ["sleep", "120"])
+    settings = Settings(data_dir=tmp_path, serving={"swap": "restart", "start_timeout_s": 60})
+    old = subprocess.Popen(["sleep", "120"], start_new_session=True)
+    write_pool(settings, Pool(replicas=[Replica(name="replica-0", url=replicas.replica_url(settings, 0, 0),
+                                                policy_version="v0", model_dir=str(tmp_path), pid=old.pid)]))
+    swap = threading.Thread(target=serving.swap.swap_by_restart, args=(settings, "replica-0", "v1", tmp_path))
+    swap.start()
+    wait_for(lambda: read_pool(settings).starting, timeout=10, interval=0.05)
+    started = read_pool(settings).starting[0]
+    assert started.policy_version == "v1" and started.pid != old.pid
+    stop_all(settings, [])
+    swap.join(timeout=30)
+    assert not alive(started.pid) and not alive(old.pid)
+    assert read_pool(settings).starting == [] and read_pool(settings).replicas == []
