@@ -120,8 +120,9 @@ class Controller:
     def figure_rows(self, versions: list[str], since: float, until: float, bucket_s: int | None = None) -> list[dict]:
         """The sink's `/figures`: per version and tenant (and time bucket), judged production completions."""
         response = self.http.post(self.settings.url(self.settings.ports.sink) + "/figures", timeout=30,
-                              headers=admin_headers(self.settings),
-                              json={"versions": versions, "since": utc(since), "until": utc(until), "bucket_s": bucket_s})
+                                  headers=admin_headers(self.settings),
+                                  json={"versions": versions, "since": utc(since), "until": utc(until),
+                                        "bucket_s": bucket_s})
         response.raise_for_status()
         return response.json()
 
@@ -139,8 +140,8 @@ class Controller:
     def serving_figures(self, versions: list[str], since: float, until: float) -> dict[str, dict]:
         """The sink's `/serving-figures`: per version, answers, server errors, p50 and p99 latency."""
         response = self.http.post(self.settings.url(self.settings.ports.sink) + "/serving-figures", timeout=30,
-                              headers=admin_headers(self.settings),
-                              json={"versions": versions, "since": utc(since), "until": utc(until)})
+                                  headers=admin_headers(self.settings),
+                                  json={"versions": versions, "since": utc(since), "until": utc(until)})
         response.raise_for_status()
         return {row["policy_version"]: row for row in response.json()}
 
