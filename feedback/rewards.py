@@ -102,8 +102,10 @@ class Rewarder:
             reward, accepted = signal_reward(max(signals, key=lambda e: e.timestamp), trajectory, config)
         for e in events:
             if isinstance(e.body, OutcomeBody):
-                # A rollout's environment score is its reward unless the team weighs it otherwise.
-                weight = config.outcome_weights.get(e.body.name, 1.0 if e.body.name == ROLLOUT_SCORE else 0.0)
+                # A rollout's environment score is its reward unless the team weighs it otherwise;
+                # on any other trajectory it is nobody's to give (ingest refuses it too).
+                own_score = e.body.name == ROLLOUT_SCORE and trajectory.source == "rollout"
+                weight = config.outcome_weights.get(e.body.name, 1.0 if own_score else 0.0)
                 reward += weight * e.body.value
         return RewardResult(reward=reward, accepted=accepted, fn_version=version)
 

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal, Union, get_args
 from pydantic import AwareDatetime, BaseModel, Field, ValidationError
 
 from liverl.contracts import (
+    ROLLOUT_SCORE,
     SCHEMA_VERSION,
     Architecture,
     FeedbackBody,
@@ -113,6 +114,9 @@ def to_event(item: IngestItem, tenant: str, received_at: datetime,
             return Topics.TRAJECTORIES, trajectory.completion_id, trajectory
         elif item.type == "outcome":
             body = OutcomeBody.model_validate({"kind": "outcome", **item.body})
+            if body.name == ROLLOUT_SCORE:  # counted as reward by default: the rollout worker's alone
+                raise ItemError(f"body.name: {ROLLOUT_SCORE} is the rollout worker's score of its own "
+                                "rollouts; name the outcome after what it measures")
         else:
             model = FEEDBACK_KINDS.get(item.body.get("kind"))
             if model is None:

@@ -238,7 +238,8 @@ def swap_by_restart(settings: Settings, name: str, version: str, model_dir: Path
         return report
     with edit_pool(settings) as pool:  # one write: never in both lists, never in neither
         pool.starting = [r for r in pool.starting if r.pid != new.pid]
-        pool.replicas = [new if r.name == name else r for r in pool.replicas]
+        # Whatever the replica is for stays (lent to rollouts, a team's alias): only the engine changes.
+        pool.replicas = [new.model_copy(update={"alias": r.alias}) if r.name == name else r for r in pool.replicas]
     report.drain_s = drain_in_flight(old.url, settings.serving.request_timeout_s)
     if old.pid:
         stop_pid(old.pid)

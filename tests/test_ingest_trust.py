@@ -1,7 +1,8 @@
 """What the ingest API acknowledges, the stream and the learner can use: trajectories fit
 the serving policy, numbers are finite, timestamps have a zone, trajectories need a scope,
 hostile bodies get a 4xx, admin routes need an admin key and are audited, tenants are
-rate-limited, and tenants sharing a completion id share nothing."""
+rate-limited, tenants sharing a completion id share nothing, and no tenant can send the
+rollout worker's score."""
 
 from __future__ import annotations
 
@@ -14,8 +15,11 @@ import pytest
 from fastapi.testclient import TestClient
 from helpers import item, sql, wait_for
 
+from feedback.rewards import RewardConfigFile, Rewarder
 from ingest.api import create_app
+from ingest.schemas import IngestItem, ItemError, to_event
 from liverl.audit import AuditLog
+from liverl.contracts import ROLLOUT_SCORE, FeedbackEvent, OutcomeBody, Trajectory, utcnow
 from liverl.keys import KeyStore
 from liverl.settings import IngestConfig, Settings
 
@@ -142,3 +146,20 @@ def test_two_tenants_with_one_completion_id_share_nothing(settings, api):
     tenants = {r["tenant"]: r["reward"] for r in rows}
     assert tenants["dev"] == 1 and min(tenants.values()) == 0
     assert sql(settings, f"SELECT count() AS n FROM dead_letters WHERE position(payload, '{cid}') > 0") == [{"n": 0}]
+
+
+def test_a_tenant_cannot_send_the_rollout_workers_score():
+    # `rollout_score` weighs 1.0 by default, unbounded: from a tenant it would set any
+    # reward it liked on any trajectory it names. Only the rollout worker publishes it.
+    with pytest.raises(ItemError, match="body.name: rollout_score"):
+        to_event(IngestItem.model_validate(item("evt-s", {"completion_id": "c", "name": ROLLOUT_SCORE,
+                                                          "value": 1e6}, type="outcome")), "acme", utcnow())
+    outcome = FeedbackEvent(event_id="e", tenant="acme", timestamp=utcnow(),
+                            body=OutcomeBody(completion_id="c", name=ROLLOUT_SCORE, value=1e6))
+    served = Trajectory(event_id="c", tenant="acme", completion_id="c", policy_version="v0", source="gateway",
+                        prompt_token_ids=[1], completion_token_ids=[2], completion_logprobs=[-1.0])
+    rewarder = Rewarder(RewardConfigFile())
+    assert rewarder.score(served, [outcome]).reward == 0.0  # and the stream ignores it on production traffic
+    rollout = served.model_copy(update={"source": "rollout"})
+    assert rewarder.score(rollout, [outcome.model_copy(update={"body": OutcomeBody(
+        completion_id="c", name=ROLLOUT_SCORE, value=0.75)})]).reward == 0.75

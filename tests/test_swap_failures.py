@@ -15,7 +15,7 @@ import pytest
 import serving.swap
 from app.stack import stop_all
 from helpers import wait_for
-from liverl.pool import Pool, Replica, read_pool, write_pool
+from liverl.pool import ROLLOUT, Pool, Replica, read_pool, write_pool
 from liverl.process import alive
 from liverl.probe import PROBE_FILE
 from liverl.settings import PromotionConfig, Settings
@@ -119,3 +119,25 @@ def test_down_during_a_blue_green_swap_stops_the_replica_being_started(monkeypat
     swap.join(timeout=30)
     assert not alive(started.pid) and not alive(old.pid)
     assert read_pool(settings).starting == [] and read_pool(settings).replicas == []
+
+
+def test_a_blue_green_swap_keeps_what_the_replica_is_for(monkeypatch, tmp_path):
+    # The new engine's health, probe and the old one's drain are faked (a vLLM start-up is
+    # not what is tested): a replica lent to rollouts must come back from the swap lent,
+    # not as a production replica serving the learner's unchecked head.
+    monkeypatch.setattr(replicas, "replica_command", lambda settings, model_dir, url: ["sleep", "120"])
+    monkeypatch.setattr(serving.swap, "wait_replica", lambda settings, replica, process: None)
+    monkeypatch.setattr(serving.swap, "verify", lambda url, model_dir, tolerance: 0.0)
+    monkeypatch.setattr(serving.swap, "drain_in_flight", lambda url, timeout_s: 0.0)
+    settings = Settings(data_dir=tmp_path, serving={"swap": "restart"})
+    old = subprocess.Popen(["sleep", "120"], start_new_session=True)
+    write_pool(settings, Pool(replicas=[Replica(name="replica-0", url=replicas.replica_url(settings, 0, 0),
+                                                policy_version="v0", model_dir=str(tmp_path), pid=old.pid,
+                                                alias=ROLLOUT)]))
+    try:
+        assert serving.swap.swap_by_restart(settings, "replica-0", "v1", tmp_path).ok
+        swapped = read_pool(settings).get("replica-0")
+        assert swapped.alias == ROLLOUT and swapped.policy_version == "v1" and swapped.pid != old.pid
+        assert not alive(old.pid) and read_pool(settings).starting == []
+    finally:
+        stop_all(settings, [])
