@@ -409,7 +409,8 @@ class CapacityConfig(Config):
                                    "replica is taken back at once; above lend_below, so it does not flap.")
     min_production_replicas: int = Field(1, ge=1, description="Replicas never lent, whatever the load.")
     retry_s: float = Field(10.0, gt=0, description="After a take-back whose swap back to stable failed (the "
-                           "replica stays out of production), how long before it is tried again.")
+                           "replica stays out of production), or a lent replica's staging of stable, how "
+                           "long before it is tried again.")
     refresh_s: float = Field(30.0, gt=0, description="How often a lent replica moves to the learner's newest "
                              "version, so rollouts stay on-policy.")
 

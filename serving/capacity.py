@@ -51,6 +51,7 @@ from sync.replica import ReplicaSync
 
 EVENTS = Counter("liverl_capacity_events_total", "Replicas lent to and taken back from rollouts", ["action"])
 LENT = Gauge("liverl_capacity_lent_replicas", "Replicas lent to rollouts now")
+STEP_ERRORS = Counter("liverl_capacity_step_errors_total", "Scheduler looks that raised (logged; it looks again)")
 logger = setup_logging("capacity")
 
 
@@ -116,6 +117,7 @@ class Scheduler:
         self.staging = threading.Lock()
         self.keeper = ThreadPoolExecutor(1, thread_name_prefix="keep-stable")
         self.keeping: Future | None = None
+        self.keep_retry_at: dict[tuple[str, str | None], float] = {}  # (replica, version) that failed to stage
         self.http = httpx.Client()  # one for every load reading (see read_gateway_load)
 
     def gateway_load(self) -> GatewayLoad:
@@ -126,6 +128,8 @@ class Scheduler:
         production replicas: production wins over rollouts."""
         promotion = self.settings.promotion
         if not (promotion.auto_promote and promotion.canary_guard) or len(pool.general) >= 2:
+            return False
+        if self.registry.pinned():  # the controller starts no canary then: taking one back would only flap
             return False
         stable = self.registry.stable()
         return any((c.metrics.get("gate") or {}).get("passed") and (stable is None or c.seq > stable.seq)
@@ -181,12 +185,15 @@ class Scheduler:
             lent = read_pool(self.settings).get(name).alias == ROLLOUT
             wanted = stable.version if lent and stable is not None else None
             replica = ReplicaSync.of(self.settings, name)
-            if replica.state().kept == wanted:
+            if replica.state().kept == wanted or time.time() < self.keep_retry_at.get((name, wanted), 0.0):
                 return
             try:
                 replica.keep(wanted)
             except Exception as error:  # the take-back stages stable itself, only slower
-                log(logger, "could not keep stable staged", replica=name, error=repr(error))
+                # Not again at every poll (a version the delta store never had fails every time).
+                self.keep_retry_at[(name, wanted)] = time.time() + self.config.retry_s
+                log(logger, "could not keep stable staged", replica=name, error=repr(error),
+                    retry_in_s=self.config.retry_s)
 
     def refresh(self) -> None:
         """Lent replicas follow the learner's newest version every `refresh_s`."""
@@ -243,6 +250,9 @@ class Scheduler:
                 self.step()
             except httpx.HTTPError as error:  # the gateway restarting: lend nothing meanwhile
                 log(logger, "no load reading", error=repr(error))
+            except Exception as error:  # a dead scheduler would strand lent replicas: log, look again
+                STEP_ERRORS.inc()
+                logger.exception(f"capacity step failed: {error!r}")
             stop.wait(self.config.poll_s)
 
 

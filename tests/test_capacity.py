@@ -122,6 +122,59 @@ def test_a_candidate_takes_a_replica_back_only_when_there_is_traffic_to_judge_it
     assert scheduler.step().why == "a canary needs the replica"
 
 
+def test_a_pinned_stable_wants_no_canary_so_nothing_is_taken_back_for_one():
+    # The controller starts no canary while stable is pinned: taking the replica back for
+    # one would lend and take back every few seconds, halving production each time.
+    scheduler = Scheduler.__new__(Scheduler)
+    scheduler.settings = SimpleNamespace(promotion=PromotionConfig(auto_promote=True, canary_guard=True))
+    candidate = SimpleNamespace(seq=4, metrics={"gate": {"passed": True}})
+    pin = None
+    scheduler.registry = SimpleNamespace(stable=lambda: SimpleNamespace(seq=3), pinned=lambda: pin,
+                                         in_state=lambda state: [candidate] if state == "candidate" else [])
+    assert scheduler.canary_wanted(pool(lent=1))
+    pin = SimpleNamespace(version="v3", actor="on-call", reason="incident")
+    assert not scheduler.canary_wanted(pool(lent=1))
+
+
+def test_a_stable_that_cannot_be_staged_is_tried_again_after_a_pause_not_at_every_poll(monkeypatch):
+    """Staging that fails (injected: here the delta store never had the starter) was tried
+    at every poll, thousands of times in a ten-minute run; now once per `retry_s`."""
+    scheduler = Scheduler.__new__(Scheduler)
+    scheduler.config, scheduler.staging, scheduler.keep_retry_at = CONFIG.model_copy(update={"retry_s": 60}), \
+        threading.Lock(), {}
+    scheduler.settings = SimpleNamespace(sync=SimpleNamespace(transport="delta"))
+    scheduler.registry = SimpleNamespace(stable=lambda: SimpleNamespace(version="v0"))
+    monkeypatch.setattr("serving.capacity.read_pool", lambda settings: pool(lent=1))
+    tries = []
+
+    def keep(version):
+        tries.append(version)
+        raise KeyError(f"{version} cannot be rebuilt from the store")
+    monkeypatch.setattr(ReplicaSync, "of", lambda settings, name: SimpleNamespace(
+        state=lambda: SimpleNamespace(kept=None), keep=keep))
+    for _ in range(5):
+        scheduler.keep_stable("r0")
+    assert tries == ["v0"]
+    scheduler.keep_retry_at[("r0", "v0")] = 0.0  # the pause is over
+    scheduler.keep_stable("r0")
+    assert tries == ["v0", "v0"]
+
+
+def test_a_look_that_raises_is_logged_and_the_scheduler_looks_again(monkeypatch):
+    # A dead scheduler would leave lent replicas lent through the next peak.
+    scheduler, stop, looks = Scheduler.__new__(Scheduler), threading.Event(), []
+    scheduler.config = CONFIG.model_copy(update={"poll_s": 0.01})
+
+    def step(self):
+        looks.append(True)
+        if len(looks) == 3:
+            stop.set()
+        raise KeyError("no replica named 'r9'")
+    monkeypatch.setattr(Scheduler, "step", step)
+    scheduler.run(stop)
+    assert len(looks) == 3
+
+
 def test_hysteresis_needs_the_upper_threshold_above_the_lower():
     with pytest.raises(ValueError, match="TAKE_BACK_ABOVE"):
         CapacityConfig(lend_below=2.0, take_back_above=1.0)
