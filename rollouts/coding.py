@@ -193,7 +193,7 @@ class HumanEvalEnvironment(Environment):
                 raise ValueError(f"{path}: line {number} lacks {sorted(missing)}")
             try:
                 cases = humaneval_cases(problem["test"], problem["entry_point"])
-            except (ValueError, SyntaxError) as error:
+            except (ValueError, SyntaxError, TypeError) as error:  # TypeError: a value no test compares
                 self.skipped[problem["task_id"]] = str(error)
                 continue
             self.tasks_by_id[problem["task_id"]] = Task(

@@ -57,11 +57,51 @@ def _child_main(answer_fd: int) -> None:
             if load_error:
                 answer = {"i": index, "error": load_error}
             else:
-                answer = {"i": index, "value": eval(call, namespace)}
+                answer = {"i": index, "value": _tagged(eval(call, namespace))}
             line = json.dumps(answer)
         except Exception as error:
             line = json.dumps({"i": index, "error": type(error).__name__})
         _write_all(answer_fd, line.encode() + b"\n")
+
+
+def _tagged(value: Any) -> Any:
+    """A result as JSON that keeps what `==` tells apart: tuples, sets, dict keys and bytes
+    are tagged ({"t": [...]}), so a tuple does not pass for a list (`_untagged` reverses it)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, list):
+        return [_tagged(v) for v in value]
+    if isinstance(value, tuple):
+        return {"t": [_tagged(v) for v in value]}
+    if isinstance(value, (set, frozenset)):
+        return {"s": [_tagged(v) for v in value]}
+    if isinstance(value, dict):
+        return {"d": [[_tagged(k), _tagged(v)] for k, v in value.items()]}
+    if isinstance(value, bytes):
+        return {"b": value.hex()}
+    raise TypeError(f"a test result of type {type(value).__name__} cannot be compared")
+
+
+def _untagged(data: Any) -> Any:
+    """Plain Python data from `_tagged`'s JSON; ValueError or TypeError if it is not that."""
+    if isinstance(data, list):
+        return [_untagged(v) for v in data]
+    if not isinstance(data, dict):
+        return data
+    if len(data) != 1:
+        raise ValueError("not a tagged value")
+    (tag, inner), = data.items()
+    if tag == "b" and isinstance(inner, str):
+        return bytes.fromhex(inner)
+    if not isinstance(inner, list):
+        raise ValueError("not a tagged value")
+    if tag == "t":
+        return tuple(_untagged(v) for v in inner)
+    if tag == "s":
+        return frozenset(_untagged(v) for v in inner)
+    if tag == "d":
+        return {_untagged(k): _untagged(v) for k, v in inner}
+    raise ValueError(f"unknown tag {tag!r}")
 
 
 def _send(fd: int, message: dict) -> None:
@@ -191,9 +231,9 @@ class Case:
     expected: Any
 
     def __post_init__(self) -> None:
-        # Results cross the pipe as JSON, so expected values are held in the same form
-        # (a tuple compares as a list, dict keys as strings) and must be JSON data.
-        object.__setattr__(self, "expected", json.loads(json.dumps(self.expected)))
+        # Held as results come back over the pipe (tagged JSON, decoded): plain data the
+        # completion's objects never touch, and only data a test can compare with `==`.
+        object.__setattr__(self, "expected", _untagged(json.loads(json.dumps(_tagged(self.expected)))))
 
 
 @dataclass(frozen=True)
@@ -313,7 +353,7 @@ def _score(child: subprocess.Popen, answers: _Answers, cases: Sequence[Case], li
             return Verdict(0, len(cases), "tampered")
         if "error" in answer:
             errors.add(answer["error"])
-        # Both sides are JSON-decoded plain data here: no object of the child's can fake ==.
+        # Both sides are decoded plain data here: no object of the child's can fake ==.
         elif answer["value"] == case.expected:
             passed += 1
     return Verdict(passed, len(cases), "memory" if "MemoryError" in errors else "raised" if errors else "ok")
@@ -327,7 +367,12 @@ def _answer(line: bytes, index: int) -> dict | None:
         return None
     if not isinstance(answer, dict) or type(answer.get("i")) is not int or answer["i"] != index:
         return None
-    if answer.keys() == {"i", "value"} or (answer.keys() == {"i", "error"} and isinstance(answer["error"], str)):
+    if answer.keys() == {"i", "value"}:
+        try:
+            return {"i": index, "value": _untagged(answer["value"])}
+        except (ValueError, TypeError, RecursionError):  # nothing honest code returns decodes so
+            return None
+    if answer.keys() == {"i", "error"} and isinstance(answer["error"], str):
         return answer
     return None
 

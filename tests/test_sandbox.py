@@ -66,10 +66,18 @@ def test_honest_code_scores_what_a_plain_run_of_the_tests_scores(solution, expec
     assert verdict.reason == ("raised" if "raise" in solution else "ok")
 
 
-def test_results_compare_as_json_data():
-    solution = "def f():\n    return {'a': (1, 2.5), 'b': None, 'c': [True, 'x']}\n"
-    assert run_tests(solution, [Case("f()", {"a": [1, 2.5], "b": None, "c": [True, "x"]})]).passed == 1
-    assert run_tests(solution, [Case("f()", {"a": [1, 2.5]})]).passed == 0
+@pytest.mark.parametrize("returned, expected", [
+    ("{'a': (1, 2.5), 'b': None, 'c': [True, 'x']}", "{'a': (1, 2.5), 'b': None, 'c': [True, 'x']}"),
+    ("{'a': (1, 2.5)}", "{'a': [1, 2.5]}"),  # a tuple is not a list
+    ("[1, 2]", "(1, 2)"),
+    ("{1: 'a'}", "{'1': 'a'}"),  # nor an int key a string one
+    ("{3, 1, 2}", "{1, 2, 3}"), ("frozenset({1})", "{1}"), ("{1, 2}", "[1, 2]"),
+    ("b'ab'", "b'ab'"), ("b'ab'", "'ab'"), ("1", "True"), ("1.0", "1"), ("(1, [2, {3: (4,)}])", "(1, [2, {3: (4,)}])"),
+])
+def test_results_compare_as_a_plain_run_compares_them(returned, expected):
+    solution = f"def f():\n    return {returned}\n"
+    test = f"assert f() == {expected}\n"
+    assert run_tests(solution, cases_from_asserts(test)).passed == plain_run(solution, test)
 
 
 @pytest.mark.parametrize("solution", [
