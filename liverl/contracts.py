@@ -321,7 +321,9 @@ class CapacityEvent(Strict):
     policy_version: str = Field(description="What it serves afterwards: the rollout version, or stable.")
     load: float = Field(description="Production requests in flight and waiting per production replica.")
     why: str
-    seconds: float = Field(description="From the load reading that asked for it to the replica's switch.")
+    seconds: float = Field(description="To the replica's switch from the load reading that asked for it (a "
+                           "take-back for load: from the last reading before it that did not, so a lend or "
+                           "refresh that delayed the next reading counts).")
     aborted_requests: int | None = Field(None, description="Rollout requests aborted by a take-back.")
     error: str | None = Field(None, description="Why the swap failed (the replica stays out of production).")
     steps: dict[str, float] = Field(default_factory=dict, description="Seconds per step: aborting the rollouts "

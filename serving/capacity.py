@@ -118,6 +118,9 @@ class Scheduler:
         self.keeper = ThreadPoolExecutor(1, thread_name_prefix="keep-stable")
         self.keeping: Future | None = None
         self.keep_retry_at: dict[tuple[str, str | None], float] = {}  # (replica, version) that failed to stage
+        # The last load reading that asked for no take-back: a take-back is timed from it, since
+        # the load rose at some moment after it (a lend or a refresh under way delays the next).
+        self.calm_at: float | None = None
         self.http = httpx.Client()  # one for every load reading (see read_gateway_load)
 
     def gateway_load(self) -> GatewayLoad:
@@ -236,8 +239,14 @@ class Scheduler:
         # only wait, so a candidate does not take a replica back from rollouts until traffic returns.
         canary = load.requests_per_s > self.settings.promotion.quiet_requests_per_s and self.canary_wanted(pool)
         decision = self.rules.decide(time.monotonic(), load, pool, canary, backing_off)
+        busy = production_load(load, pool)
+        if decision is None or decision.action != "take_back":
+            self.calm_at = asked_at
+        elif busy > self.config.take_back_above and self.calm_at is not None:
+            asked_at = self.calm_at
         if decision is None:
-            self.refresh()
+            if busy <= self.config.lend_below:  # a refresh holds the loop: only while production is quiet
+                self.refresh()
             return None
         event = (self.lend if decision.action == "lend" else self.take_back)(decision, asked_at)
         if event.action == "take_back" and event.error:

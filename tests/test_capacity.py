@@ -81,7 +81,7 @@ def test_a_take_back_whose_swap_failed_is_retried_after_a_pause_not_at_every_pol
     demand here) leaves the replica out of production; the next polls do not hammer it."""
     scheduler = Scheduler.__new__(Scheduler)
     scheduler.config, scheduler.rules = CONFIG.model_copy(update={"retry_s": 60}), Hysteresis(CONFIG)
-    scheduler.settings, scheduler.retry_at = SimpleNamespace(promotion=PromotionConfig()), {}
+    scheduler.settings, scheduler.retry_at, scheduler.calm_at = SimpleNamespace(promotion=PromotionConfig()), {}, None
     monkeypatch.setattr("serving.capacity.read_pool", lambda settings: pool(lent=1))
     monkeypatch.setattr(Scheduler, "gateway_load", lambda self: load({"r1": 1}, waiting=2, requests_per_s=1.0))
     monkeypatch.setattr(Scheduler, "canary_wanted", lambda self, p: False)
@@ -102,7 +102,7 @@ def test_a_take_back_whose_swap_failed_is_retried_after_a_pause_not_at_every_pol
 
 def test_a_candidate_takes_a_replica_back_only_when_there_is_traffic_to_judge_it(monkeypatch):
     scheduler = Scheduler.__new__(Scheduler)
-    scheduler.config, scheduler.rules, scheduler.retry_at = CONFIG, Hysteresis(CONFIG), {}
+    scheduler.config, scheduler.rules, scheduler.retry_at, scheduler.calm_at = CONFIG, Hysteresis(CONFIG), {}, None
     monkeypatch.setattr("serving.capacity.read_pool", lambda settings: pool(lent=1))
     monkeypatch.setattr(Scheduler, "canary_wanted", lambda self, p: True)
     monkeypatch.setattr(Scheduler, "refresh", lambda self: None)
@@ -120,6 +120,29 @@ def test_a_candidate_takes_a_replica_back_only_when_there_is_traffic_to_judge_it
     assert scheduler.step() is None
     monkeypatch.setattr(Scheduler, "gateway_load", lambda self: load(requests_per_s=20.0))
     assert scheduler.step().why == "a canary needs the replica"
+
+
+def test_a_take_back_is_timed_from_the_last_calm_reading_so_a_refresh_in_the_way_counts(monkeypatch):
+    # The loop reads no load while a refresh swaps the lent replica: a peak that arrives
+    # meanwhile waits for it, and the take-back's seconds must say so.
+    scheduler = Scheduler.__new__(Scheduler)
+    scheduler.config, scheduler.rules, scheduler.retry_at, scheduler.calm_at = CONFIG, Hysteresis(CONFIG), {}, None
+    scheduler.settings = SimpleNamespace(promotion=PromotionConfig())
+    monkeypatch.setattr("serving.capacity.read_pool", lambda settings: pool(lent=1))
+    monkeypatch.setattr(Scheduler, "canary_wanted", lambda self, p: False)
+    monkeypatch.setattr(Scheduler, "refresh", lambda self: time.sleep(0.3))  # a swap to the newest version
+    monkeypatch.setattr(Scheduler, "take_back", lambda self, decision, asked_at: CapacityEvent(
+        action="take_back", replica=decision.replica, policy_version="v3", load=decision.load, why=decision.why,
+        seconds=time.time() - asked_at))
+    monkeypatch.setattr(Scheduler, "gateway_load", lambda self: load())
+    assert scheduler.step() is None  # quiet: it refreshed, 0.3 s without a reading
+    monkeypatch.setattr(Scheduler, "gateway_load", lambda self: load({"r1": 3}))
+    assert scheduler.step().seconds >= 0.3
+    # Between the thresholds nothing is taken back, and no refresh holds the loop either.
+    refreshed = []
+    monkeypatch.setattr(Scheduler, "refresh", lambda self: refreshed.append(True))
+    monkeypatch.setattr(Scheduler, "gateway_load", lambda self: load({"r1": 1}))
+    assert scheduler.step() is None and refreshed == []
 
 
 def test_a_pinned_stable_wants_no_canary_so_nothing_is_taken_back_for_one():
