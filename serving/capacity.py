@@ -161,7 +161,7 @@ class Scheduler:
         aborted = abort_rollouts(replica.url)
         steps = {"abort_s": time.time() - started}
         stable = self.registry.stable()
-        report = self.move(replica.name, stable)
+        report = self.move(replica.name, stable, enable=False)  # enabled below, once no longer lent
         error = report and report.error
         if error is None:
             set_replica(self.settings, replica.name, alias=None, enabled=True)
@@ -170,13 +170,13 @@ class Scheduler:
         return self.event("take_back", decision, stable.version, seconds, error, aborted,
                           steps=steps | swap_steps(report))
 
-    def move(self, name: str, version: PolicyVersion) -> SwapReport | None:
+    def move(self, name: str, version: PolicyVersion, enable: bool = True) -> SwapReport | None:
         """Swap a replica out of production to `version`, verified (its report: `error` set if
         it failed); None if it serves `version` already."""
         if read_pool(self.settings).get(name).policy_version == version.version:
             return None
         with self.staging:
-            return replace_replica(self.settings, name, version.version, Path(version.model_dir))
+            return replace_replica(self.settings, name, version.version, Path(version.model_dir), enable)
 
     def keep_stable(self, name: str) -> None:
         """A lent replica keeps stable's weights staged, so its take-back only loads them;

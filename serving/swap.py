@@ -153,7 +153,7 @@ def load_in_place(url: str, model_dir: Path) -> dict[str, float]:
     return steps
 
 
-def swap_in_place(settings: Settings, name: str, version: str, model_dir: Path) -> SwapReport:
+def swap_in_place(settings: Settings, name: str, version: str, model_dir: Path, enable: bool = True) -> SwapReport:
     old = read_pool(settings).get(name)
     report = SwapReport(replica=name, version=version, ok=False, mode="inplace")
     paused = time.time()
@@ -166,32 +166,36 @@ def swap_in_place(settings: Settings, name: str, version: str, model_dir: Path) 
         t = time.time()
         report.max_logprob_diff = verify(old.url, model_dir, settings.learner.probe_tolerance)
         report.verify_s = time.time() - t
-        set_replica(settings, name, enabled=True, policy_version=version, model_dir=str(model_dir))
+        set_replica(settings, name, enabled=enable, policy_version=version, model_dir=str(model_dir))
         report.ok = True
     except Exception as error:  # whatever failed, the replica goes back to verified old weights
         report.error = f"{type(error).__name__}: {error}"
-        report.reverted = revert(settings, old)
+        report.reverted = revert(settings, old, enable)
     report.pause_s = time.time() - paused
     return report
 
 
-def revert(settings: Settings, old: Replica) -> bool:
+def revert(settings: Settings, old: Replica, enable: bool = True) -> bool:
     """Back to the weights the replica had, verified; a restart if even that fails."""
     try:
         load_in_place(old.url, Path(old.model_dir))
         verify(old.url, Path(old.model_dir), settings.learner.probe_tolerance)
     except Exception:
-        return swap_by_restart(settings, old.name, old.policy_version, Path(old.model_dir)).ok
-    set_replica(settings, old.name, enabled=True)
+        return swap_by_restart(settings, old.name, old.policy_version, Path(old.model_dir), enable).ok
+    set_replica(settings, old.name, enabled=enable)
     return True
 
 
-def replace_replica(settings: Settings, name: str, version: str, model_dir: Path) -> SwapReport:
+def replace_replica(settings: Settings, name: str, version: str, model_dir: Path,
+                    enable: bool = True) -> SwapReport:
+    """`name` on `version`, verified, or back on its old weights; taking traffic afterwards
+    unless `enable` is False (a replica on its way back from rollouts: its caller enables
+    it once it is no longer lent, or the worker would start groups on it)."""
     weights, staging = stage(settings, name, version, model_dir)
     if settings.serving.swap == "inplace":
-        report = swap_in_place(settings, name, version, weights)
+        report = swap_in_place(settings, name, version, weights, enable)
     else:
-        report = swap_by_restart(settings, name, version, weights)
+        report = swap_by_restart(settings, name, version, weights, enable)
     report = report.model_copy(update=staging)
     if settings.sync.transport == "delta":
         replica = ReplicaSync.of(settings, name)
@@ -217,7 +221,8 @@ def stage(settings: Settings, name: str, version: str, model_dir: Path) -> tuple
                      "decode_s": transfer.decode_s + transfer.verify_s}
 
 
-def swap_by_restart(settings: Settings, name: str, version: str, model_dir: Path) -> SwapReport:
+def swap_by_restart(settings: Settings, name: str, version: str, model_dir: Path,
+                    enable: bool = True) -> SwapReport:
     old = read_pool(settings).get(name)
     report = SwapReport(replica=name, version=version, ok=False, mode="restart")
     started = time.time()
@@ -239,7 +244,8 @@ def swap_by_restart(settings: Settings, name: str, version: str, model_dir: Path
     with edit_pool(settings) as pool:  # one write: never in both lists, never in neither
         pool.starting = [r for r in pool.starting if r.pid != new.pid]
         # Whatever the replica is for stays (lent to rollouts, a team's alias): only the engine changes.
-        pool.replicas = [new.model_copy(update={"alias": r.alias}) if r.name == name else r for r in pool.replicas]
+        pool.replicas = [new.model_copy(update={"alias": r.alias, "enabled": enable}) if r.name == name else r
+                         for r in pool.replicas]
     report.drain_s = drain_in_flight(old.url, settings.serving.request_timeout_s)
     if old.pid:
         stop_pid(old.pid)

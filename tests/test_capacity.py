@@ -12,12 +12,14 @@ from types import SimpleNamespace
 import pytest
 from helpers import serving_load, wait_for
 
+import liverl.pool
+import serving.swap
 from liverl.contracts import CapacityEvent
 from liverl.kafka import make_producer
-from liverl.pool import ROLLOUT, Pool, Replica, read_pool
-from liverl.settings import CapacityConfig, PromotionConfig, RolloutsConfig
+from liverl.pool import ROLLOUT, Pool, Replica, read_pool, write_pool
+from liverl.settings import CapacityConfig, PromotionConfig, RolloutsConfig, Settings
 from rollouts.worker import RolloutWorker
-from serving.capacity import Hysteresis, Scheduler, read_events
+from serving.capacity import Decision, Hysteresis, Scheduler, read_events
 from liverl.load import GatewayLoad
 from sync.replica import ReplicaSync
 
@@ -249,3 +251,38 @@ def test_an_idle_replica_is_lent_to_rollouts_and_a_burst_takes_it_back_without_a
     assert [e.action for e in events[-2:]] == ["lend", "take_back"]
     assert time.time() - events[-1].timestamp.timestamp() < 120
     assert "abort_s" in back.steps  # where the take-back's time went (and the swap's, if it swapped)
+
+
+@pytest.mark.parametrize("swap_back_fails", [False, True], ids=["swapped-back", "swap-back-failed"])
+def test_a_replica_on_its_way_back_is_never_open_to_rollouts(monkeypatch, tmp_path, swap_back_fails):
+    # vLLM's side of the swap is faked (loading, the probe, the drain; a real swap under load
+    # is the stack test's): what is tested is the pool at every write, since the worker starts
+    # groups on any enabled lent replica, and those would run beside production, unaborted.
+    settings = Settings(data_dir=tmp_path, sync={"transport": "full"})
+    write_pool(settings, Pool(replicas=[Replica(name="r0", url="http://127.0.0.1:1", policy_version="v4",
+                                                model_dir=str(tmp_path), alias=ROLLOUT)],
+                              aliases={"stable": "v3"}))
+    probes = []
+    monkeypatch.setattr(serving.swap, "load_in_place", lambda url, model_dir: {})
+    monkeypatch.setattr(serving.swap, "drain_in_flight", lambda url, timeout_s: 0.0)
+
+    def verify(url, model_dir, tolerance):
+        probes.append(model_dir)
+        if swap_back_fails and len(probes) == 1:
+            raise serving.swap.VerificationFailed("stable's probe failed on the replica")
+        return 0.0
+    monkeypatch.setattr(serving.swap, "verify", verify)
+    written = []
+    real_write = liverl.pool.write_pool
+    monkeypatch.setattr(liverl.pool, "write_pool", lambda s, p: (written.append(p.get("r0").model_copy()),
+                                                                 real_write(s, p)))
+    scheduler = Scheduler(settings)
+    scheduler.registry = SimpleNamespace(stable=lambda: SimpleNamespace(version="v3", model_dir=str(tmp_path)))
+    monkeypatch.setattr(Scheduler, "event", lambda self, action, decision, version, seconds, error, *a, **k: error)
+    error = scheduler.take_back(Decision("take_back", "r0", 2.0, "a peak"), time.time())
+    assert not [r for r in written if r.enabled and r.alias == ROLLOUT]
+    back = read_pool(settings).get("r0")
+    if swap_back_fails:  # out of both: the next look takes it back again
+        assert error and not back.enabled and back.alias == ROLLOUT and back.policy_version == "v4"
+    else:
+        assert error is None and back.enabled and back.alias is None and back.policy_version == "v3"
