@@ -208,6 +208,12 @@ class Scheduler:
             if (replica.enabled  # disabled: being taken back (its swap back failed), never re-lent here
                     and replica.policy_version != newest.version
                     and time.time() - self.refreshed.get(replica.name, 0) >= self.config.refresh_s):
+                # A group is sampled on one version: no new group starts, those running finish
+                # (up to swap_drain_s) and the rest are aborted (cut), so none runs on under the
+                # new weights with the old version's label.
+                set_replica(self.settings, replica.name, enabled=False)
+                drain_in_flight(replica.url, self.settings.serving.swap_drain_s)
+                abort_rollouts(replica.url)
                 self.move(replica.name, newest)
                 set_replica(self.settings, replica.name, enabled=True)
                 self.refreshed[replica.name] = time.time()

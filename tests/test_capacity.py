@@ -286,3 +286,24 @@ def test_a_replica_on_its_way_back_is_never_open_to_rollouts(monkeypatch, tmp_pa
         assert error and not back.enabled and back.alias == ROLLOUT and back.policy_version == "v4"
     else:
         assert error is None and back.enabled and back.alias is None and back.policy_version == "v3"
+
+
+def test_a_refresh_changes_the_weights_only_once_no_rollout_request_runs(monkeypatch):
+    # vLLM's side is faked (its drain, abort and swap are the stack test's): what is tested is
+    # the order, since a request still running when the weights change would finish its group
+    # on the new version under the old version's label.
+    scheduler = Scheduler.__new__(Scheduler)
+    scheduler.config, scheduler.refreshed = CONFIG.model_copy(update={"refresh_s": 0.0}), {}
+    scheduler.settings = SimpleNamespace(serving=SimpleNamespace(swap_drain_s=5.0))
+    scheduler.keeping = SimpleNamespace(done=lambda: False)  # stable is being kept staged already
+    monkeypatch.setattr(Scheduler, "rollout_version", lambda self: SimpleNamespace(version="v5"))
+    monkeypatch.setattr("serving.capacity.read_pool", lambda settings: pool(lent=1))
+    steps = []
+    monkeypatch.setattr("serving.capacity.set_replica", lambda settings, name, **changes: steps.append(
+        "enable" if changes["enabled"] else "disable"))
+    monkeypatch.setattr("serving.capacity.drain_in_flight", lambda url, timeout_s: steps.append("drain"))
+    monkeypatch.setattr("serving.capacity.abort_rollouts", lambda url: steps.append("abort"))
+    monkeypatch.setattr(Scheduler, "move", lambda self, name, version, enable=True: steps.append(
+        f"swap to {version.version}"))
+    scheduler.refresh()
+    assert steps == ["disable", "drain", "abort", "swap to v5", "enable"]
