@@ -343,6 +343,7 @@ def capacity_summary(pop: Population, events: list[CapacityEvent], rollouts: dic
     return {"lends": sum(e.action == "lend" for e in events), "take_backs": len(take_backs),
             "take_back_s": {"median": statistics.median(take_backs) if take_backs else None,
                             "p99": p99(take_backs), "max": max(take_backs, default=None)},
+            "take_backs_over_bound": sum(e.bound_s is not None and e.seconds > e.bound_s for e in events),
             "take_back_steps": [e.steps for e in events if e.action == "take_back"],
             "lent_seconds": sum(b - a for a, b, _ in lent),
             "production_requests": len(requests), "production_failed": sum(not ok for _, _, ok in requests),

@@ -52,6 +52,8 @@ def rows(a: dict, b: dict) -> list[tuple[str, str, str, str]]:
         ("take-backs (lends)", f"{a['take_backs']} ({a['lends']})", "", ""),
         ("take-back p99 / max", f"{fmt(a['take_back_s']['p99'], ' s')} / {fmt(a['take_back_s']['max'], ' s')}",
          "", "<= 2 s"),
+        ("take-backs over the bound (capacity.take_back_bound_s)", str(a.get("take_backs_over_bound", "")), "",
+         "0"),
         ("production requests failed", f"{a['production_failed']} of {a['production_requests']}",
          f"{b['production_failed']} of {b['production_requests']}", "0"),
         ("latency p99 in peaks", fmt(lat_on["peak"], " s"), fmt(lat_off["peak"], " s"), "on <= 1.1x off"),

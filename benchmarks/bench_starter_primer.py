@@ -54,9 +54,12 @@ def main(functions: int = typer.Option(40000, min=0, help="Primer functions appe
          steps: int = typer.Option(3000, help="Mid-training steps."),
          tasks: int = typer.Option(20, help="Training tasks per level sampled 16 times at temperature 1."),
          tie: bool = typer.Option(True, help="Tie the input and output embeddings during mid-training."),
+         hidden_size: int = typer.Option(128, help="The model's width (the recipe's: 128)."),
+         layers: int = typer.Option(3, help="Transformer layers (the recipe's: 3)."),
          out: Path = typer.Option(Path("/tmp/starter-primer"))) -> None:
     model_dir = build_starter_policy(out, train_steps=steps, primer_functions=functions,
-                                     primer_level2_share=level2_share, tie_embeddings=tie)
+                                     primer_level2_share=level2_share, tie_embeddings=tie,
+                                     hidden_size=hidden_size, num_layers=layers)
     torch.manual_seed(0)
     torch.set_num_threads(1)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -74,7 +77,7 @@ def main(functions: int = typer.Option(40000, min=0, help="Primer functions appe
         held = env.heldout(200, seed=0)
         lines = [first_lines(model, tokenizer, t, 1, True, 16)[0] for t in held]
         rates["held-out (200, all levels), greedy"] = sum(scoring.map(env.solved, held, lines)) / len(held)
-    table = Table(title=f"starter with {functions} primer functions, {steps} steps, "
+    table = Table(title=f"starter of width {hidden_size}, {layers} layers, {functions} primer functions, {steps} steps, "
                         f"embeddings {'tied' if tie else 'untied'} in mid-training")
     table.add_column("tasks")
     table.add_column("pass rate")

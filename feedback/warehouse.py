@@ -60,11 +60,14 @@ SCHEMA = [
     ) ENGINE = ReplacingMergeTree(updated_at) ORDER BY version""",  # latest state per version
     """CREATE TABLE IF NOT EXISTS capacity_events (
         event_id String, timestamp DateTime64(3, 'UTC'), action LowCardinality(String), replica String,
-        policy_version String, load Float64, why String, seconds Float64,
-        aborted_requests Nullable(Int64), error Nullable(String), steps String
+        policy_version String, load Float64, tokens_per_s Nullable(Float64), why String, seconds Float64,
+        bound_s Nullable(Float64), aborted_requests Nullable(Int64), error Nullable(String), steps String
     ) ENGINE = ReplacingMergeTree ORDER BY (timestamp, event_id)""",
     # Stores made before events said where a take-back's time went (JSON of seconds per step).
     "ALTER TABLE capacity_events ADD COLUMN IF NOT EXISTS steps String DEFAULT '{}'",
+    # ... and before they had the production tokens/s beside the load, and a take-back its bound.
+    "ALTER TABLE capacity_events ADD COLUMN IF NOT EXISTS tokens_per_s Nullable(Float64)",
+    "ALTER TABLE capacity_events ADD COLUMN IF NOT EXISTS bound_s Nullable(Float64)",
     # Per version, hour and source (gateway, sdk, rollout). The *_delta columns make
     # revisions exact: a corrected sample adds (new reward - old reward) and no extra count.
     """CREATE TABLE IF NOT EXISTS version_hourly (

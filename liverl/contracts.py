@@ -320,10 +320,13 @@ class CapacityEvent(Strict):
     replica: str
     policy_version: str = Field(description="What it serves afterwards: the rollout version, or stable.")
     load: float = Field(description="Production requests in flight and waiting per production replica.")
+    tokens_per_s: float | None = Field(None, description="Production completion tokens answered per second "
+                                       "(the gateway's window), per production replica.")
     why: str
     seconds: float = Field(description="To the replica's switch from the load reading that asked for it (a "
                            "take-back for load: from the last reading before it that did not, so a lend or "
                            "refresh that delayed the next reading counts).")
+    bound_s: float | None = Field(None, description="A take-back: the bound it had (`capacity.take_back_bound_s`).")
     aborted_requests: int | None = Field(None, description="Rollout requests aborted by a take-back.")
     error: str | None = Field(None, description="Why the swap failed (the replica stays out of production).")
     steps: dict[str, float] = Field(default_factory=dict, description="Seconds per step: aborting the rollouts "

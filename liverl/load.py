@@ -17,6 +17,7 @@ class GatewayLoad(BaseModel):
     in_flight: dict[str, int] = Field(description="Requests each replica is answering now.")
     waiting: int = Field(description="Requests waiting for an enabled replica.")
     requests_per_s: float = Field(description="Requests routed per second over the last `window_s`.")
+    tokens_per_s: float = Field(0.0, description="Completion tokens answered per second over the last `window_s`.")
     window_s: float
 
 

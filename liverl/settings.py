@@ -407,6 +407,13 @@ class CapacityConfig(Config):
                                 "replica is lent (and between two lends).")
     take_back_above: float = Field(1.0, ge=0, description="Load per production replica above which a lent "
                                    "replica is taken back at once; above lend_below, so it does not flap.")
+    lend_below_tokens_per_s: float | None = Field(None, ge=0, description="Also lend only while production "
+                                                  "answers fewer completion tokens per second per production "
+                                                  "replica than this (long generations are load too); None: "
+                                                  "requests alone decide.")
+    take_back_bound_s: float = Field(2.0, gt=0, description="The longest a take-back may take, from the last "
+                                     "load reading that did not ask for it to production on the replica; one "
+                                     "over it is logged as a warning and counted.")
     min_production_replicas: int = Field(1, ge=1, description="Replicas never lent, whatever the load.")
     retry_s: float = Field(10.0, gt=0, description="After a take-back whose swap back to stable failed (the "
                            "replica stays out of production), or a lent replica's staging of stable, how "

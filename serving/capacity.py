@@ -2,23 +2,31 @@
 moment production traffic returns.
 
 It reads production load from the gateway's own numbers (`/admin/load`: requests in
-flight per replica and waiting for one) every `capacity.poll_s`, per production replica.
+flight per replica and waiting for one, and completion tokens answered per second) every
+`capacity.poll_s`, per production replica.
 
-- Lend, after the load stayed below `lend_below` for `lend_after_s`, keeping at least
+- Lend, after the load stayed below `lend_below` (and tokens/s below
+  `lend_below_tokens_per_s`, if set) for `lend_after_s`, keeping at least
   `min_production_replicas`, never while a canary is judged or waits for a replica: the
-  replica leaves production rotation (disabled), finishes what it answers, is marked
-  lent (alias `rollout`: the gateway sends no production request there), moves to the
-  learner's newest version through the verified swap (rollouts are on-policy, not
-  stale), and is enabled for the rollout worker.
+  learner's newest version is staged while the replica still serves, it leaves
+  production rotation (disabled), finishes what it answers, is marked lent (alias
+  `rollout`: the gateway sends no production request there), moves to that version
+  through the verified swap (rollouts are on-policy, not stale), and is enabled for the
+  rollout worker.
 - Take back, as soon as the load passes `take_back_above` (above `lend_below`: a load
   between the two changes nothing, so it does not flap) or a canary needs the replica:
   disabled (the worker starts nothing new there), its in-flight rollouts aborted
   (vLLM's `/abort_requests`: their groups are cut, never trained half-scored), swapped
   back to stable if it serves another version, then returned to production. The
-  take-back time runs from the load sample that asked for it to that moment. So that
-  the swap back only loads weights, a lent replica keeps stable's staged beside the
-  versions it serves (`ReplicaSync.keep`), restaged in the background when stable
-  changes during the lend.
+  take-back time runs from the last load reading that did not ask for it to that moment,
+  and one over `take_back_bound_s` is logged as a warning and counted. So that the swap
+  back only loads weights, a lent replica keeps stable's staged beside the versions it
+  serves (`ReplicaSync.keep`), restaged in the background when stable changes during
+  the lend.
+
+The waits inside a lend or a refresh (in-flight requests finishing, up to
+`serving.swap_drain_s`) keep reading the load: production returning ends them at once,
+the lend is given up and a refreshing replica taken straight back, not swapped first.
 
 Every lend and take-back, with the load that caused it, is appended to
 `run/capacity.jsonl` (`liverl status` shows the latest), counted in
@@ -46,12 +54,13 @@ from liverl.pool import ROLLOUT, Pool, read_pool, replica_client, set_replica
 from liverl.process import serve_beside
 from liverl.settings import CapacityConfig, Settings, get_settings
 from policies.registry import PolicyVersion, Registry
-from serving.swap import SwapReport, drain_in_flight, in_flight, replace_replica
+from serving.swap import SwapReport, in_flight, replace_replica
 from sync.replica import ReplicaSync
 
 EVENTS = Counter("liverl_capacity_events_total", "Replicas lent to and taken back from rollouts", ["action"])
 LENT = Gauge("liverl_capacity_lent_replicas", "Replicas lent to rollouts now")
 STEP_ERRORS = Counter("liverl_capacity_step_errors_total", "Scheduler looks that raised (logged; it looks again)")
+OVER_BOUND = Counter("liverl_capacity_take_backs_over_bound_total", "Take-backs slower than capacity.take_back_bound_s")
 logger = setup_logging("capacity")
 
 
@@ -61,6 +70,7 @@ class Decision:
     replica: str
     load: float  # production requests in flight and waiting, per production replica
     why: str
+    tokens_per_s: float = 0.0  # production completion tokens answered per second, per production replica
 
 
 def production_load(load: GatewayLoad, pool: Pool) -> float:
@@ -68,6 +78,11 @@ def production_load(load: GatewayLoad, pool: Pool) -> float:
     production = [r for r in pool.general if r.enabled]
     busy = sum(load.in_flight.get(r.name, 0) for r in pool.general) + load.waiting
     return busy / max(len(production), 1)
+
+
+def production_tokens_per_s(load: GatewayLoad, pool: Pool) -> float:
+    """Completion tokens production was answered per second, per production replica."""
+    return load.tokens_per_s / max(len([r for r in pool.general if r.enabled]), 1)
 
 
 class Hysteresis:
@@ -81,16 +96,17 @@ class Hysteresis:
                backing_off: frozenset[str] = frozenset()) -> Decision | None:
         """Lend, take back (a lent replica not in `backing_off`: its last take-back failed a
         moment ago), or nothing."""
-        busy = production_load(load, pool)
+        busy, tokens = production_load(load, pool), production_tokens_per_s(load, pool)
         takeable = [r for r in pool.lent if r.name not in backing_off]
         if stuck := [r for r in takeable if not r.enabled]:  # a take-back that failed is finished, whatever the load
-            return Decision("take_back", stuck[0].name, busy, "retrying a take-back whose swap failed")
+            return Decision("take_back", stuck[0].name, busy, "retrying a take-back whose swap failed", tokens)
         if takeable and (busy > self.config.take_back_above or canary_wanted):
             self.quiet_since = None
             why = (f"load {busy:.2f} per production replica > {self.config.take_back_above}"
                    if busy > self.config.take_back_above else "a canary needs the replica")
-            return Decision("take_back", takeable[0].name, busy, why)
-        if busy > self.config.lend_below:
+            return Decision("take_back", takeable[0].name, busy, why, tokens)
+        tokens_limit = self.config.lend_below_tokens_per_s
+        if busy > self.config.lend_below or (tokens_limit is not None and tokens > tokens_limit):
             self.quiet_since = None
             return None
         self.quiet_since = now if self.quiet_since is None else self.quiet_since
@@ -103,7 +119,7 @@ class Hysteresis:
         quietest = min(spare, key=lambda r: load.in_flight.get(r.name, 0))
         return Decision("lend", quietest.name, busy,
                         f"load {busy:.2f} per production replica <= {self.config.lend_below} "
-                        f"for {self.config.lend_after_s:.0f} s")
+                        f"for {self.config.lend_after_s:.0f} s", tokens)
 
 
 class Scheduler:
@@ -121,6 +137,7 @@ class Scheduler:
         # The last load reading that asked for no take-back: a take-back is timed from it, since
         # the load rose at some moment after it (a lend or a refresh under way delays the next).
         self.calm_at: float | None = None
+        self.returned_load = 0.0  # the load of the reading that ended a drain (`production_returned`)
         self.http = httpx.Client()  # one for every load reading (see read_gateway_load)
 
     def gateway_load(self) -> GatewayLoad:
@@ -142,13 +159,55 @@ class Scheduler:
         """The learner's newest version (its chain's head), which rollouts sample from."""
         return self.registry.head() or self.registry.stable()
 
-    def lend(self, decision: Decision, asked_at: float) -> CapacityEvent:
+    def production_returned(self) -> bool:
+        """One more load reading, for a wait that holds the loop: whether production's load
+        has passed `take_back_above` (`returned_load`). A calm reading moves `calm_at` on."""
+        self.returned_load = production_load(self.gateway_load(), read_pool(self.settings))
+        if self.returned_load > self.config.take_back_above:
+            return True
+        self.calm_at = time.time()
+        return False
+
+    def drain(self, url: str) -> bool:
+        """A replica out of rotation finishes its requests (up to `serving.swap_drain_s`);
+        False, at once, if production returns meanwhile."""
+        deadline = time.time() + self.settings.serving.swap_drain_s
+        while not self.production_returned():
+            try:
+                if in_flight(url) == 0:
+                    return True
+            except httpx.HTTPError:  # an engine that does not answer drains nothing: wait out the deadline
+                pass
+            if time.time() >= deadline:
+                return True  # what still runs is paused (a lend) or aborted (a refresh)
+            time.sleep(0.05)
+        return False
+
+    def stage_ahead(self, name: str, version: PolicyVersion) -> None:
+        """Rebuild `version` in the replica's directory while it still serves, so that its
+        swap only loads, and the time it holds the loop and is out of rotation is short."""
+        if (self.settings.sync.transport != "delta"
+                or read_pool(self.settings).get(name).policy_version == version.version):
+            return
+        with self.staging:
+            try:
+                ReplicaSync.of(self.settings, name).stage(version.version)
+            except Exception as error:  # the swap stages it again, or loads the registry's directory
+                log(logger, "could not stage ahead", replica=name, version=version.version, error=repr(error))
+
+    def lend(self, decision: Decision, asked_at: float) -> CapacityEvent | None:
+        """The replica lent, serving the learner's newest version; None if production
+        returned while it finished its requests (it stays in production)."""
         replica = read_pool(self.settings).get(decision.replica)
+        version = self.rollout_version()
+        self.stage_ahead(replica.name, version)
         set_replica(self.settings, replica.name, enabled=False)
-        drain_in_flight(replica.url, self.settings.serving.swap_drain_s)
+        if not self.drain(replica.url):
+            set_replica(self.settings, replica.name, enabled=True)
+            log(logger, "lend given up: production returned", replica=replica.name)
+            return None
         set_replica(self.settings, replica.name, alias=ROLLOUT)
         self.keep_stable(replica.name)  # it serves stable now: nothing to stage, only to keep
-        version = self.rollout_version()
         report = self.move(replica.name, version)
         set_replica(self.settings, replica.name, enabled=True)
         self.refreshed[replica.name] = time.time()
@@ -198,8 +257,9 @@ class Scheduler:
                 log(logger, "could not keep stable staged", replica=name, error=repr(error),
                     retry_in_s=self.config.retry_s)
 
-    def refresh(self) -> None:
-        """Lent replicas follow the learner's newest version every `refresh_s`."""
+    def refresh(self) -> Decision | None:
+        """Lent replicas follow the learner's newest version every `refresh_s`; a take-back
+        instead if production returns while a replica finishes its groups."""
         newest = self.rollout_version()
         lent = read_pool(self.settings).lent
         if lent and (self.keeping is None or self.keeping.done()):
@@ -211,19 +271,29 @@ class Scheduler:
                 # A group is sampled on one version: no new group starts, those running finish
                 # (up to swap_drain_s) and the rest are aborted (cut), so none runs on under the
                 # new weights with the old version's label.
+                self.stage_ahead(replica.name, newest)
                 set_replica(self.settings, replica.name, enabled=False)
-                drain_in_flight(replica.url, self.settings.serving.swap_drain_s)
+                if not self.drain(replica.url):
+                    return Decision("take_back", replica.name, self.returned_load,
+                                    "production returned during a refresh")
                 abort_rollouts(replica.url)
                 self.move(replica.name, newest)
                 set_replica(self.settings, replica.name, enabled=True)
                 self.refreshed[replica.name] = time.time()
+        return None
 
     def event(self, action: str, decision: Decision, version: str, seconds: float, error: str | None,
               aborted: int | None = None, steps: dict[str, float] | None = None) -> CapacityEvent:
+        bound = self.config.take_back_bound_s if action == "take_back" else None
         event = CapacityEvent(action=action, replica=decision.replica, policy_version=version,
-                              load=decision.load, why=decision.why, seconds=seconds, error=error,
-                              aborted_requests=aborted, steps=steps or {})
+                              load=decision.load, tokens_per_s=decision.tokens_per_s, why=decision.why,
+                              seconds=seconds, bound_s=bound, error=error, aborted_requests=aborted,
+                              steps=steps or {})
         EVENTS.labels(action).inc()
+        if bound is not None and seconds > bound:
+            OVER_BOUND.inc()
+            logger.warning("take-back over its bound", extra={"fields": dict(
+                replica=decision.replica, seconds=round(seconds, 3), bound_s=bound, steps=event.steps)})
         LENT.set(len(read_pool(self.settings).lent))
         with open(events_file(self.settings), "a") as out:
             out.write(event.model_dump_json() + "\n")
@@ -250,12 +320,13 @@ class Scheduler:
             self.calm_at = asked_at
         elif busy > self.config.take_back_above and self.calm_at is not None:
             asked_at = self.calm_at
+        if decision is None and busy <= self.config.lend_below:  # a refresh holds the loop: only while quiet
+            decision = self.refresh()
+            asked_at = self.calm_at  # a take-back if production returned: from the last calm reading
         if decision is None:
-            if busy <= self.config.lend_below:  # a refresh holds the loop: only while production is quiet
-                self.refresh()
             return None
         event = (self.lend if decision.action == "lend" else self.take_back)(decision, asked_at)
-        if event.action == "take_back" and event.error:
+        if event is not None and event.action == "take_back" and event.error:
             self.retry_at[decision.replica] = time.time() + self.config.retry_s
         return event
 

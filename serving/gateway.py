@@ -109,17 +109,26 @@ class Router:
         self.inflight: Tally[str] = Tally()
         self.waiting = 0
         self.routed: deque[float] = deque()  # monotonic times of the last LOAD_WINDOW_S's requests
+        self.answered: deque[tuple[float, int]] = deque()  # (monotonic time, completion tokens), same window
         self._pool = Pool()
         self._mtime: int | None = None
 
     def forget_routed(self, now: float) -> None:
         while self.routed and self.routed[0] < now - self.LOAD_WINDOW_S:
             self.routed.popleft()
+        while self.answered and self.answered[0][0] < now - self.LOAD_WINDOW_S:
+            self.answered.popleft()
+
+    def tokens_answered(self, tokens: int) -> None:
+        now = time.monotonic()
+        self.answered.append((now, tokens))
+        self.forget_routed(now)
 
     def load(self) -> GatewayLoad:
         self.forget_routed(time.monotonic())
         return GatewayLoad(in_flight={name: n for name, n in self.inflight.items() if n},
                            waiting=self.waiting, requests_per_s=len(self.routed) / self.LOAD_WINDOW_S,
+                           tokens_per_s=sum(tokens for _, tokens in self.answered) / self.LOAD_WINDOW_S,
                            window_s=self.LOAD_WINDOW_S)
 
     def pool(self) -> Pool:
@@ -326,6 +335,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         """Record each choice as a trajectory, and the request. A choice that cannot be
         recorded is counted and named in the request's row, never silently lost."""
         latency = (time.perf_counter() - started) * 1000
+        router.tokens_answered(sum(len(choice.token_ids or ()) for choice in acc.choices.values()))
         prompt_text = json.dumps(asked.messages) if chat else str(asked.prompt)
         # Choices sampled together for one prompt form a group unless the client named one.
         group_id = group_id or (acc.completion_id if len(acc.choices) > 1 else None)
@@ -508,7 +518,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @app.get("/admin/load")
     async def load(key: KeyRecord = Depends(require_admin)) -> GatewayLoad:
-        """Production requests in flight per replica, waiting, and routed per second."""
+        """Production requests in flight per replica, waiting, routed per second, tokens per second."""
         return router.load()
 
     @app.get("/health")

@@ -242,11 +242,12 @@ def test_an_idle_replica_is_lent_to_rollouts_and_a_burst_takes_it_back_without_a
             assert back.steps.get("decode_s", 0.0) == 0.0
             # Production reaches the replica it got back.
             wait_for(lambda: scheduler.gateway_load().in_flight.get(lend.replica, 0) > 0, timeout=30, interval=0.02)
+            assert scheduler.gateway_load().tokens_per_s > 0  # production's answers, in the load signal
         assert set(statuses) == {200}
     finally:
         loop.call_soon_threadsafe(stop.set)
         thread.join(timeout=60)
-    assert back.seconds < 5 and back.load > fast.take_back_above
+    assert back.seconds < 5 and back.load > fast.take_back_above and back.bound_s == fast.take_back_bound_s
     events = read_events(settings)
     assert [e.action for e in events[-2:]] == ["lend", "take_back"]
     assert time.time() - events[-1].timestamp.timestamp() < 120
@@ -294,16 +295,75 @@ def test_a_refresh_changes_the_weights_only_once_no_rollout_request_runs(monkeyp
     # on the new version under the old version's label.
     scheduler = Scheduler.__new__(Scheduler)
     scheduler.config, scheduler.refreshed = CONFIG.model_copy(update={"refresh_s": 0.0}), {}
-    scheduler.settings = SimpleNamespace(serving=SimpleNamespace(swap_drain_s=5.0))
+    scheduler.settings = SimpleNamespace(serving=SimpleNamespace(swap_drain_s=5.0),
+                                         sync=SimpleNamespace(transport="full"))
     scheduler.keeping = SimpleNamespace(done=lambda: False)  # stable is being kept staged already
     monkeypatch.setattr(Scheduler, "rollout_version", lambda self: SimpleNamespace(version="v5"))
     monkeypatch.setattr("serving.capacity.read_pool", lambda settings: pool(lent=1))
     steps = []
     monkeypatch.setattr("serving.capacity.set_replica", lambda settings, name, **changes: steps.append(
         "enable" if changes["enabled"] else "disable"))
-    monkeypatch.setattr("serving.capacity.drain_in_flight", lambda url, timeout_s: steps.append("drain"))
+    monkeypatch.setattr(Scheduler, "drain", lambda self, url: steps.append("drain") or True)
     monkeypatch.setattr("serving.capacity.abort_rollouts", lambda url: steps.append("abort"))
     monkeypatch.setattr(Scheduler, "move", lambda self, name, version, enable=True: steps.append(
         f"swap to {version.version}"))
-    scheduler.refresh()
+    assert scheduler.refresh() is None
     assert steps == ["disable", "drain", "abort", "swap to v5", "enable"]
+
+
+def test_a_refresh_gives_way_at_once_when_production_returns_during_its_drain(monkeypatch):
+    # A refresh waits up to swap_drain_s (5 s) for running groups: a peak that arrived
+    # meanwhile waited for the drain and the swap, past the take-back bound. Now the drain
+    # reads production's load as it waits, and the replica goes straight back, not swapped.
+    scheduler = Scheduler.__new__(Scheduler)
+    scheduler.config, scheduler.rules, scheduler.retry_at, scheduler.calm_at = \
+        CONFIG.model_copy(update={"refresh_s": 0.0}), Hysteresis(CONFIG), {}, None
+    scheduler.refreshed = {}
+    scheduler.settings = SimpleNamespace(promotion=PromotionConfig(), serving=SimpleNamespace(swap_drain_s=5.0),
+                                         sync=SimpleNamespace(transport="full"))
+    scheduler.keeping = SimpleNamespace(done=lambda: False)
+    monkeypatch.setattr(Scheduler, "rollout_version", lambda self: SimpleNamespace(version="v5"))
+    monkeypatch.setattr(Scheduler, "canary_wanted", lambda self, p: False)
+    monkeypatch.setattr("serving.capacity.read_pool", lambda settings: pool(lent=1))
+    monkeypatch.setattr("serving.capacity.set_replica", lambda settings, name, **changes: None)
+    monkeypatch.setattr("serving.capacity.in_flight", lambda url: 2)  # a group that runs long
+    monkeypatch.setattr("serving.capacity.abort_rollouts", lambda url: 2)
+    swaps = []
+    monkeypatch.setattr(Scheduler, "move", lambda self, name, version, enable=True: swaps.append(version.version))
+    readings = iter([load(), load(), load({"r1": 3})])  # calm, calm (the drain's first look), a peak
+    monkeypatch.setattr(Scheduler, "gateway_load", lambda self: next(readings, load({"r1": 3})))
+    monkeypatch.setattr(Scheduler, "take_back", lambda self, decision, asked_at: CapacityEvent(
+        action="take_back", replica=decision.replica, policy_version="v3", load=decision.load, why=decision.why,
+        seconds=time.time() - asked_at))
+    started = time.time()
+    back = scheduler.step()
+    assert back is not None and back.action == "take_back" and back.why == "production returned during a refresh"
+    assert time.time() - started < 1.0 and swaps == []  # no 5 s drain, no swap to v5 first
+
+
+def test_a_take_back_records_its_bound_and_one_over_it_is_counted(monkeypatch, tmp_path):
+    from serving.capacity import OVER_BOUND
+    settings = Settings(data_dir=tmp_path, capacity={"take_back_bound_s": 2.0})
+    settings.run_dir.mkdir(parents=True)
+    scheduler = Scheduler.__new__(Scheduler)
+    scheduler.settings, scheduler.config = settings, settings.capacity
+    monkeypatch.setattr("serving.capacity.read_pool", lambda s: pool(lent=1))
+    monkeypatch.setattr("serving.capacity.produce_sync", lambda *a: None)
+    before = OVER_BOUND._value.get()
+    decision = Decision("take_back", "r0", 3.0, "a peak", tokens_per_s=120.0)
+    fast = scheduler.event("take_back", decision, "v3", 0.8, None)
+    slow = scheduler.event("take_back", decision, "v3", 2.5, None)
+    lend = scheduler.event("lend", Decision("lend", "r0", 0.0, "quiet"), "v5", 0.7, None)
+    assert (fast.bound_s, slow.bound_s, lend.bound_s) == (2.0, 2.0, None)
+    assert fast.tokens_per_s == 120.0
+    assert OVER_BOUND._value.get() == before + 1
+    assert [e.seconds for e in read_events(settings)] == [0.8, 2.5, 0.7]
+
+
+def test_production_tokens_per_second_can_hold_a_lend_back():
+    # Few requests but long generations are still a busy replica.
+    rules = Hysteresis(CONFIG.model_copy(update={"lend_after_s": 0.0, "lend_below_tokens_per_s": 50.0}))
+    busy_tokens = load({"r1": 0}, requests_per_s=0.2).model_copy(update={"tokens_per_s": 400.0})
+    assert rules.decide(0.0, busy_tokens, pool(), False) is None
+    quiet = load(requests_per_s=0.2).model_copy(update={"tokens_per_s": 20.0})
+    assert rules.decide(1.0, quiet, pool(), False).action == "lend"
