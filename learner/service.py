@@ -43,6 +43,7 @@ from liverl.faults import crash_point
 from liverl.kafka import KAFKA_PYTHON_API_VERSION, encode, produce_sync
 from liverl.keys import KeyRecord, KeyStore, require_admin
 from liverl.observability import log, mount_metrics, setup_logging
+from liverl.pool import read_pool
 from liverl.process import serve_beside
 from liverl.settings import Settings, get_settings
 from policies.divergence import kl_between
@@ -224,11 +225,7 @@ class Learner:
             return self.drop("malformed")
         if sample.tenant in self.config.excluded_tenants:
             return self.drop("consent")
-        behaviour = self.registry.seq_of(sample.trajectory.policy_version)
-        # What stable and a canary serve is never stale: while a canary is judged the
-        # learner writes candidates on, and stable's traffic must not be thrown away.
-        serving = sample.trajectory.policy_version in self.serving
-        if behaviour is None or (not serving and self.current.seq - behaviour > self.config.max_version_lag):
+        if self.stale(sample.trajectory.policy_version):
             return self.drop("stale")
         if self.registry.trained([sample.sample_id]):
             return self.drop("already_trained")  # a revision after its sample was learned
@@ -255,17 +252,38 @@ class Learner:
         tp, offset = position
         group.first_offsets[tp] = min(offset, group.first_offsets.get(tp, offset))
 
+    def stale(self, version: str) -> bool:
+        """Samples of `version` are too far behind the learner to train on. What serves now
+        (stable, a canary, lent replicas) never is: while a canary is judged the learner
+        writes candidates on, and stable's traffic must not be thrown away."""
+        behaviour = self.registry.seq_of(version)
+        return behaviour is None or (version not in self.serving
+                                     and self.current.seq - behaviour > self.config.max_version_lag)
+
+    def serving_versions(self) -> set[str]:
+        """The versions replicas serve now: stable, a canary, and what lent replicas sample
+        rollouts from (the learner's newest)."""
+        return ({v.version for state in ("stable", "canary") for v in self.registry.in_state(state)}
+                | {r.policy_version for r in read_pool(self.settings).lent})
+
     def complete_groups(self) -> dict[str, OpenGroup]:
         return {key: g for key, g in self.open_groups.items() if g.complete}
 
-    def expire_groups(self) -> None:
-        """Give up groups that stayed incomplete (a rollout cut short, a worker that died)."""
+    def give_up_groups(self) -> None:
+        """Give up groups that stayed incomplete (a rollout cut short, a worker that died),
+        and groups that waited (for members, or for room under `rollout_share`) until
+        their version fell too far behind to train on."""
         now = time.time()
         for key, group in list(self.open_groups.items()):
             if not group.complete and now - group.opened > self.config.group_timeout_s:
-                del self.open_groups[key]
-                for _ in group.members:
-                    self.drop("incomplete_group")
+                reason = "incomplete_group"
+            elif self.stale(group.policy_version):
+                reason = "stale"
+            else:
+                continue
+            del self.open_groups[key]
+            for _ in group.members:
+                self.drop(reason)
 
     def safe_offsets(self) -> dict[TopicPartition, int]:
         """Consumed offsets, held back to the first member of any group not yet trained
@@ -278,7 +296,9 @@ class Learner:
         return {tp: min(offset, held.get(tp, offset)) for tp, offset in self.next_offsets.items()}
 
     def due(self) -> bool:
-        n = len(self.pending) + sum(g.size for g in self.complete_groups().values())
+        """Enough samples for a version: production's and the groups it would take."""
+        chosen = choose_groups(list(self.complete_groups().values()), len(self.pending), self.config.rollout_share)
+        n = len(self.pending) + sum(g.size for g in chosen)
         return n >= self.config.batch_samples or (
             n >= self.config.min_samples and time.time() - self.window_started >= self.config.max_interval_s)
 
@@ -403,7 +423,7 @@ class Learner:
         try:
             while not stop.is_set():
                 self.rewind_if_asked()
-                self.serving = {v.version for state in ("stable", "canary") for v in self.registry.in_state(state)}
+                self.serving = self.serving_versions()
                 if self.paused.is_set():  # on-call paused learning: consume nothing, write nothing
                     self.halted.set()
                     time.sleep(0.2)
@@ -412,7 +432,7 @@ class Learner:
                     for record in records:
                         self.take(record.value, (tp, record.offset))
                         self.next_offsets[tp] = record.offset + 1
-                self.expire_groups()
+                self.give_up_groups()
                 PENDING.set(len(self.pending))
                 if self.due() or (self.flush_requested.is_set() and (self.pending or self.complete_groups())):
                     self.rebase_if_too_far_ahead()

@@ -68,17 +68,33 @@ def read_pool(settings: Settings) -> Pool:
 
 
 @contextmanager
+def exclusive(lock: Path) -> Iterator[None]:
+    """An exclusive lock across processes (released when the holder exits, however it exits)."""
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+
+
+@contextmanager
 def edit_pool(settings: Settings) -> Iterator[Pool]:
     """Read, change and write the pool under an exclusive lock: the controller's swaps, the
     capacity scheduler and the CLI change it from different processes, and a change made
     between another's read and write must not be lost."""
-    lock = pool_file(settings).with_suffix(".lock")
-    lock.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+    with exclusive(pool_file(settings).with_suffix(".lock")):
         pool = read_pool(settings)
         yield pool
         write_pool(settings, pool)
+
+
+@contextmanager
+def replica_lock(settings: Settings, name: str) -> Iterator[None]:
+    """One operation at a time on a replica, across processes: the capacity scheduler's
+    lends, refreshes and take-backs and the promotion controller's swaps each hold it
+    from their last look at the replica to their last write, and look again once they
+    hold it (what they decided on may have changed while they waited)."""
+    with exclusive(settings.run_dir / "locks" / f"{name}.lock"):
+        yield
 
 
 def write_pool(settings: Settings, pool: Pool) -> None:

@@ -9,13 +9,17 @@ automatic promotion with its live canary guard, on-call through `liverl policy`.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from liverl.contracts import PolicyVersionEvent, Topics
 from liverl.kafka import encode, produce_sync
 from liverl.observability import log, setup_logging
-from liverl.pool import read_pool, set_aliases
+from liverl.pool import read_pool, replica_lock, set_aliases
 from liverl.settings import Settings
 from policies.registry import REJECTED, AliasMove, PolicyVersion, Registry, State
+
+if TYPE_CHECKING:
+    from serving.swap import SwapReport
 
 logger = setup_logging("promotion")
 
@@ -59,10 +63,15 @@ class Promoter:
         others = [r for r in read_pool(self.settings).general if r.policy_version != version]
         # A replica still on an earlier canary first: stable keeps serving where it is.
         others.sort(key=lambda r: stable is not None and r.policy_version == stable.version)
-        replica = others[0] if others else None
-        if replica is None:  # every replica serves it already (a restart mid-promotion)
+        for replica in others:
+            with replica_lock(self.settings, replica.name):
+                now = read_pool(self.settings).get(replica.name)
+                if now.alias is not None or now.policy_version == version:  # lent to rollouts meanwhile
+                    continue
+                report = replace_replica(self.settings, replica.name, version, model_dir)
+            break
+        else:  # every replica serves it already (a restart mid-promotion), or none is in production
             return self.registry.get(version)
-        report = replace_replica(self.settings, replica.name, version, model_dir)
         self.registry.update_metrics(version, swaps=[report.model_dump()])
         if not report.ok:
             return self.transition(version, "rolled_back", actor, f"{report.replica}: {report.error}")
@@ -78,19 +87,30 @@ class Promoter:
 
     def finish(self, version: str, actor: str, reason: str) -> PolicyVersion:
         """From canary to every replica; the previous stable is superseded."""
-        from serving.swap import roll_out
-
         previous = self.registry.stable()
-        reports = roll_out(self.settings, version, self.weights(version))
+        reports = self.serve_everywhere(version)
         swaps = self.registry.get(version).metrics.get("swaps", [])
         self.registry.update_metrics(version, swaps=swaps + [r.model_dump() for r in reports])
         if failed := [r for r in reports if not r.ok]:
             self.abort(version, actor, f"{failed[0].replica}: {failed[0].error}", state="rolled_back")
             return self.registry.get(version)
-        set_aliases(self.settings, stable=version, canary=None)
         if previous and previous.version != version:
             self.transition(previous.version, "superseded", actor, f"replaced by {version}")
         return self.transition(version, "stable", actor, reason)
+
+    def serve_everywhere(self, version: str) -> list[SwapReport]:
+        """`version` on every production replica and named stable; the reports of its swaps.
+
+        A replica the capacity scheduler brings back from rollouts while this runs returns
+        on the stable it read: if that was before the alias moved, a second pass (after it)
+        swaps the replica too; if after, the scheduler itself swaps it again."""
+        from serving.swap import roll_out
+
+        reports = roll_out(self.settings, version, self.weights(version))
+        if any(not r.ok for r in reports):
+            return reports
+        set_aliases(self.settings, stable=version, canary=None)
+        return reports + roll_out(self.settings, version, self.weights(version))
 
     def promote(self, version: str, actor: str, reason: str = "offline gate passed") -> PolicyVersion:
         """Canary then stable, without waiting for live feedback in between."""
@@ -111,7 +131,8 @@ class Promoter:
             failed = [r for r in roll_out(self.settings, stable.version, self.weights(stable.version)) if not r.ok]
             if failed:
                 log(logger, "could not put stable back", version=stable.version, error=failed[0].error)
-        set_aliases(self.settings, canary=None)
+        # Stable named again: a second pass of `serve_everywhere` that failed had moved it.
+        set_aliases(self.settings, canary=None, **({"stable": stable.version} if stable else {}))
         if stable and state == "aborted":  # before the move: killed in between, a restart aborts again
             self.registry.request_rewind(stable.version, actor, f"{version} aborted: {reason}")
         return self.transition(version, state, actor, reason)
@@ -119,8 +140,6 @@ class Promoter:
     def rollback(self, actor: str, reason: str, to: str | None = None) -> PolicyVersion:
         """Take the stable version out: `to` (default: the version stable before it)
         serves again on every replica, verified, and the learner continues from it."""
-        from serving.swap import roll_out
-
         current = self.registry.stable()
         if current is None:
             raise KeyError("no stable version to roll back")
@@ -135,10 +154,9 @@ class Promoter:
             raise ValueError(f"{to} is stable already; roll back to an earlier version")
         self.registry.check(current.version, "rolled_back", reason)
         self.registry.check(to, "stable", reason)
-        failed = [r for r in roll_out(self.settings, to, self.weights(to)) if not r.ok]
+        failed = [r for r in self.serve_everywhere(to) if not r.ok]
         if failed:
             raise RuntimeError(f"rollback to {to} failed on {failed[0].replica}: {failed[0].error}")
-        set_aliases(self.settings, stable=to, canary=None)
         for canary in self.registry.in_state("canary"):  # its replica went back too; it was built on what failed
             if canary.version != to:
                 self.transition(canary.version, "rejected", actor, f"rollback to {to} took every replica")

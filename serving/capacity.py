@@ -50,7 +50,7 @@ from liverl.contracts import CapacityEvent, Topics
 from liverl.kafka import encode, produce_sync
 from liverl.load import GatewayLoad, read_gateway_load
 from liverl.observability import log, mount_metrics, setup_logging
-from liverl.pool import ROLLOUT, Pool, read_pool, replica_client, set_replica
+from liverl.pool import ROLLOUT, Pool, edit_pool, read_pool, replica_client, replica_lock, set_replica
 from liverl.process import serve_beside
 from liverl.settings import CapacityConfig, Settings, get_settings
 from policies.registry import PolicyVersion, Registry
@@ -196,38 +196,59 @@ class Scheduler:
                 log(logger, "could not stage ahead", replica=name, version=version.version, error=repr(error))
 
     def lend(self, decision: Decision, asked_at: float) -> CapacityEvent | None:
-        """The replica lent, serving the learner's newest version; None if production
-        returned while it finished its requests (it stays in production)."""
-        replica = read_pool(self.settings).get(decision.replica)
+        """The replica lent, serving the learner's newest version; None if, once no one
+        else could move it, it was no longer a spare stable replica (the controller made it
+        a canary meanwhile) or production returned while it finished its requests."""
         version = self.rollout_version()
-        self.stage_ahead(replica.name, version)
-        set_replica(self.settings, replica.name, enabled=False)
-        if not self.drain(replica.url):
+        self.stage_ahead(decision.replica, version)
+        with replica_lock(self.settings, decision.replica):
+            pool = read_pool(self.settings)
+            replica = pool.get(decision.replica)
+            if (replica.alias is not None or not replica.enabled or "canary" in pool.aliases
+                    or replica.policy_version != pool.aliases.get("stable")):
+                log(logger, "lend given up: the replica is no longer a spare stable one", replica=replica.name)
+                return None
+            set_replica(self.settings, replica.name, enabled=False)
+            if not self.drain(replica.url):
+                set_replica(self.settings, replica.name, enabled=True)
+                log(logger, "lend given up: production returned", replica=replica.name)
+                return None
+            set_replica(self.settings, replica.name, alias=ROLLOUT)
+            self.keep_stable(replica.name)  # it serves stable now: nothing to stage, only to keep
+            report = self.move(replica.name, version)
             set_replica(self.settings, replica.name, enabled=True)
-            log(logger, "lend given up: production returned", replica=replica.name)
-            return None
-        set_replica(self.settings, replica.name, alias=ROLLOUT)
-        self.keep_stable(replica.name)  # it serves stable now: nothing to stage, only to keep
-        report = self.move(replica.name, version)
-        set_replica(self.settings, replica.name, enabled=True)
         self.refreshed[replica.name] = time.time()
         return self.event("lend", decision, read_pool(self.settings).get(replica.name).policy_version,
                           time.time() - asked_at, report and report.error, steps=swap_steps(report))
 
     def take_back(self, decision: Decision, asked_at: float) -> CapacityEvent:
-        replica = set_replica(self.settings, decision.replica, enabled=False)
-        started = time.time()
-        aborted = abort_rollouts(replica.url)
-        steps = {"abort_s": time.time() - started}
-        stable = self.registry.stable()
-        report = self.move(replica.name, stable, enable=False)  # enabled below, once no longer lent
-        error = report and report.error
-        if error is None:
-            set_replica(self.settings, replica.name, alias=None, enabled=True)
+        with replica_lock(self.settings, decision.replica):
+            replica = set_replica(self.settings, decision.replica, enabled=False)
+            started = time.time()
+            aborted = abort_rollouts(replica.url)
+            steps = {"abort_s": time.time() - started}
+            version, report, error = self.back_to_stable(replica.name)
         seconds = time.time() - asked_at
         self.keep_stable(replica.name)  # back in production: nothing more to keep
-        return self.event("take_back", decision, stable.version, seconds, error, aborted,
-                          steps=steps | swap_steps(report))
+        return self.event("take_back", decision, version, seconds, error, aborted, steps=steps | swap_steps(report))
+
+    def back_to_stable(self, name: str, tries: int = 3) -> tuple[str, SwapReport | None, str | None]:
+        """A lent replica swapped to stable and returned to production in one pool write
+        that checks stable has not moved meanwhile (a promotion finishing, which left the
+        lent replica out: it swaps again, onto the new one). The version, the last swap's
+        report and the error, if any (it then stays lent and disabled, for the next look)."""
+        report = None
+        for _ in range(tries):
+            stable = self.registry.get(read_pool(self.settings).aliases.get("stable") or self.registry.stable().version)
+            report = self.move(name, stable, enable=False) or report  # enabled below, once no longer lent
+            if report is not None and report.error:
+                return stable.version, report, report.error
+            with edit_pool(self.settings) as pool:
+                if pool.aliases.get("stable", stable.version) == stable.version:
+                    pool.replicas = [r.model_copy(update={"alias": None, "enabled": True}) if r.name == name else r
+                                     for r in pool.replicas]
+                    return stable.version, report, None
+        return stable.version, report, f"stable moved {tries} times while the replica was swapped back to it"
 
     def move(self, name: str, version: PolicyVersion, enable: bool = True) -> SwapReport | None:
         """Swap a replica out of production to `version`, verified (its report: `error` set if

@@ -42,6 +42,7 @@ from liverl.pool import (
     edit_pool,
     read_pool,
     replica_client,
+    replica_lock,
     set_replica,
 )
 from liverl.probe import PROBE_FILE
@@ -254,12 +255,16 @@ def swap_by_restart(settings: Settings, name: str, version: str, model_dir: Path
 
 
 def roll_out(settings: Settings, version: str, model_dir: Path) -> list[SwapReport]:
-    """Canary first: one replica, verified; then the rest. Stops at the first failure."""
+    """Canary first: one replica, verified; then the rest. Stops at the first failure. A
+    team's dedicated replica keeps its version, and one lent to rollouts meanwhile is the
+    capacity scheduler's to bring back (onto stable)."""
     reports = []
-    for replica in read_pool(settings).general:  # a team's dedicated replica keeps its version
-        if replica.policy_version == version:
-            continue
-        report = replace_replica(settings, replica.name, version, model_dir)
+    for name in [r.name for r in read_pool(settings).general]:
+        with replica_lock(settings, name):
+            replica = read_pool(settings).get(name)  # as it is now that nobody else moves it
+            if replica.alias is not None or replica.policy_version == version:
+                continue
+            report = replace_replica(settings, name, version, model_dir)
         reports.append(report)
         if not report.ok:
             break

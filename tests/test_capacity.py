@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -278,7 +279,8 @@ def test_a_replica_on_its_way_back_is_never_open_to_rollouts(monkeypatch, tmp_pa
     monkeypatch.setattr(liverl.pool, "write_pool", lambda s, p: (written.append(p.get("r0").model_copy()),
                                                                  real_write(s, p)))
     scheduler = Scheduler(settings)
-    scheduler.registry = SimpleNamespace(stable=lambda: SimpleNamespace(version="v3", model_dir=str(tmp_path)))
+    stable = SimpleNamespace(version="v3", model_dir=str(tmp_path))
+    scheduler.registry = SimpleNamespace(stable=lambda: stable, get=lambda version: stable)
     monkeypatch.setattr(Scheduler, "event", lambda self, action, decision, version, seconds, error, *a, **k: error)
     error = scheduler.take_back(Decision("take_back", "r0", 2.0, "a peak"), time.time())
     assert not [r for r in written if r.enabled and r.alias == ROLLOUT]
@@ -367,3 +369,104 @@ def test_production_tokens_per_second_can_hold_a_lend_back():
     assert rules.decide(0.0, busy_tokens, pool(), False) is None
     quiet = load(requests_per_s=0.2).model_copy(update={"tokens_per_s": 20.0})
     assert rules.decide(1.0, quiet, pool(), False).action == "lend"
+
+
+def fake_swaps(monkeypatch, settings, during=None):
+    """vLLM's side of a swap faked: the pool records the new version (what a verified swap
+    writes); `during(version)` runs while the first swap is under way."""
+    swaps = []
+
+    def replace(settings_, name, version, model_dir, enable=True):
+        swaps.append((name, version))
+        if during is not None and len(swaps) == 1:
+            during(version)
+        liverl.pool.set_replica(settings, name, policy_version=version, enabled=enable)
+        return serving.swap.SwapReport(replica=name, version=version, ok=True, mode="inplace")
+    monkeypatch.setattr("serving.capacity.replace_replica", replace)
+    monkeypatch.setattr("serving.swap.replace_replica", replace)
+    monkeypatch.setattr("promotion.promoter.Promoter.weights", lambda self, version: Path("/m"))
+    return swaps
+
+
+def two_replicas(tmp_path, lent: bool) -> Settings:
+    settings = Settings(data_dir=tmp_path, sync={"transport": "full"})
+    settings.run_dir.mkdir(parents=True)
+    write_pool(settings, Pool(replicas=[
+        Replica(name="r0", url="http://127.0.0.1:1", policy_version="v3", model_dir="/m"),
+        Replica(name="r1", url="http://127.0.0.1:1", policy_version="v5" if lent else "v3", model_dir="/m",
+                alias=ROLLOUT if lent else None)], aliases={"stable": "v3"}))
+    return settings
+
+
+def versions(settings: Settings) -> dict:
+    pool = read_pool(settings)
+    return {r.name: (r.policy_version, r.alias, r.enabled) for r in pool.replicas} | {"stable": pool.aliases["stable"]}
+
+
+def test_a_replica_taken_back_while_a_promotion_finishes_serves_the_new_stable(monkeypatch, tmp_path):
+    # The promotion's roll-out skipped the lent replica; the take-back had read the old
+    # stable. Before, the replica came back on v3 while every other served v4, for good.
+    settings = two_replicas(tmp_path, lent=True)
+
+    def promotion_finishes(version):  # r0 moved and the alias with it, while r1 swaps back to v3
+        liverl.pool.set_replica(settings, "r0", policy_version="v4")
+        liverl.pool.set_aliases(settings, stable="v4")
+    swaps = fake_swaps(monkeypatch, settings, during=promotion_finishes)
+    monkeypatch.setattr("serving.capacity.abort_rollouts", lambda url: 0)
+    scheduler = Scheduler(settings)
+    scheduler.registry = SimpleNamespace(get=lambda v: SimpleNamespace(version=v, model_dir="/m"),
+                                         stable=lambda: SimpleNamespace(version="v3", model_dir="/m"))
+    monkeypatch.setattr(Scheduler, "event", lambda self, action, decision, version, seconds, error, *a, **k: error)
+    assert scheduler.take_back(Decision("take_back", "r1", 2.0, "a peak"), time.time()) is None
+    assert swaps == [("r1", "v3"), ("r1", "v4")]
+    assert versions(settings) == {"r0": ("v4", None, True), "r1": ("v4", None, True), "stable": "v4"}
+
+
+def test_a_promotion_catches_a_replica_that_came_back_from_rollouts_during_its_roll_out(monkeypatch, tmp_path):
+    from promotion.promoter import Promoter
+    settings = two_replicas(tmp_path, lent=True)
+
+    def take_back_lands(version):  # the scheduler returns r1 on the stable it read, v3
+        liverl.pool.set_replica(settings, "r1", policy_version="v3", alias=None, enabled=True)
+    swaps = fake_swaps(monkeypatch, settings, during=take_back_lands)
+    Promoter(settings, registry=None).serve_everywhere("v4")
+    assert swaps == [("r0", "v4"), ("r1", "v4")]
+    assert versions(settings) == {"r0": ("v4", None, True), "r1": ("v4", None, True), "stable": "v4"}
+
+
+def test_a_lend_looks_again_once_it_holds_the_replica(monkeypatch, tmp_path):
+    # The controller made the replica a canary between the scheduler's look and its lend.
+    settings = two_replicas(tmp_path, lent=False)
+    swaps = fake_swaps(monkeypatch, settings)
+    scheduler = Scheduler(settings)
+    monkeypatch.setattr(Scheduler, "rollout_version", lambda self: SimpleNamespace(version="v5", model_dir="/m"))
+    with liverl.pool.replica_lock(settings, "r1"):  # the controller's swap holds it
+        liverl.pool.set_replica(settings, "r1", policy_version="v4")
+        liverl.pool.set_aliases(settings, canary="v4")
+        lending = threading.Thread(target=lambda: swaps.append(
+            scheduler.lend(Decision("lend", "r1", 0.0, "quiet"), time.time())))
+        lending.start()
+        time.sleep(0.3)
+        assert lending.is_alive()  # waits for the replica
+    lending.join(timeout=10)
+    assert swaps == [None] and versions(settings)["r1"] == ("v4", None, True)
+
+
+def test_a_canary_is_not_started_on_a_replica_lent_meanwhile(monkeypatch, tmp_path):
+    from promotion.promoter import Promoter
+    settings = two_replicas(tmp_path, lent=False)
+    swaps = fake_swaps(monkeypatch, settings)
+    registry = SimpleNamespace(get=lambda v: SimpleNamespace(state="canary"), stable=lambda: SimpleNamespace(
+        version="v3"), update_metrics=lambda *a, **k: None)
+    real_read = liverl.pool.read_pool
+    looks = []
+
+    def read_then_lend(s):  # the scheduler lends r0 right after the controller's first look
+        looks.append(True)
+        pool = real_read(s)
+        if len(looks) == 1:
+            liverl.pool.set_replica(settings, "r0", alias=ROLLOUT, policy_version="v5")
+        return pool
+    monkeypatch.setattr("promotion.promoter.read_pool", read_then_lend)
+    Promoter(settings, registry).start_canary("v4", "controller", "gate passed")
+    assert swaps == [("r1", "v4")]  # not r0, which rollouts have now

@@ -4,6 +4,7 @@ what serves (`learner.max_lead_versions`)."""
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 from learner.service import OpenGroup, choose_groups, unserved_chain
@@ -103,3 +104,66 @@ def test_a_drain_names_a_dead_learner_instead_of_failing_on_its_port(tmp_path, m
     monkeypatch.setattr("app.stack.httpx.post", refused)
     with pytest.raises(StackError, match="learner died"):
         drain(settings, timeout=5, say=lambda _: None)
+
+
+def learner_with(config: dict, pending: int = 0, groups_waiting: list[OpenGroup] = (), current_seq: int = 5):
+    """The learner's bookkeeping alone (no broker, no registry, no model)."""
+    from learner.service import Learner
+    from liverl.settings import LearnerConfig
+
+    learner = Learner.__new__(Learner)
+    learner.config = LearnerConfig(**config)
+    learner.pending = {f"s{i}": None for i in range(pending)}
+    learner.open_groups = {f"g{i}": g for i, g in enumerate(groups_waiting)}
+    learner.window_started = time.time()
+    learner.dropped = {"stale": 0, "incomplete_group": 0}
+    learner.current = SimpleNamespace(seq=current_seq)
+    learner.serving = set()
+    learner.registry = SimpleNamespace(seq_of=lambda version: int(version[1:]))
+    return learner
+
+
+def complete(size: int, version: str, opened: float = 0.0) -> OpenGroup:
+    group = OpenGroup(size=size, policy_version=version, opened=opened)
+    group.members = {f"{version}-{opened}-{i}": None for i in range(size)}
+    return group
+
+
+def test_a_version_is_due_for_what_it_will_train_not_for_groups_the_share_holds_back(monkeypatch):
+    # 10 production samples at half rollouts leave room for one group of 8: 18 samples,
+    # not the batch of 96 that 25 waiting groups seemed to make (a version of 18 at every poll).
+    monkeypatch.setattr("learner.service.DROPPED", SimpleNamespace(labels=lambda reason: SimpleNamespace(inc=lambda: 0)))
+    waiting = [complete(8, "v5", opened=float(i)) for i in range(25)]
+    learner = learner_with({"batch_samples": 96, "rollout_share": 0.5}, pending=10, groups_waiting=waiting)
+    assert not learner.due()
+    learner = learner_with({"batch_samples": 96, "rollout_share": 0.5}, pending=60, groups_waiting=waiting)
+    assert learner.due()  # 60 production and 56 of rollouts
+    assert learner_with({"batch_samples": 96}, pending=0, groups_waiting=waiting).due()  # rollouts alone
+
+
+def test_a_group_that_waited_past_the_version_lag_is_dropped_as_stale_not_trained(monkeypatch):
+    monkeypatch.setattr("learner.service.DROPPED", SimpleNamespace(labels=lambda reason: SimpleNamespace(inc=lambda: 0)))
+    old, fresh = complete(8, "v1", opened=1e12), complete(8, "v4", opened=1e12)
+    learner = learner_with({"max_version_lag": 3}, groups_waiting=[old, fresh], current_seq=5)
+    learner.give_up_groups()
+    assert list(learner.open_groups.values()) == [fresh] and learner.dropped["stale"] == 8
+    learner = learner_with({"max_version_lag": 3}, groups_waiting=[old], current_seq=5)
+    learner.serving = {"v1"}  # what serves now is never stale
+    learner.give_up_groups()
+    assert list(learner.open_groups.values()) == [old]
+
+
+def test_what_lent_replicas_serve_counts_as_serving(tmp_path):
+    from learner.service import Learner
+    from liverl.pool import ROLLOUT, Pool, Replica, write_pool
+    from liverl.settings import Settings
+
+    learner = Learner.__new__(Learner)
+    learner.settings = Settings(data_dir=tmp_path)
+    learner.registry = SimpleNamespace(in_state=lambda state: [SimpleNamespace(version="v3")] if state == "stable" else [])
+    write_pool(learner.settings, Pool(replicas=[
+        Replica(name="r0", url="u", policy_version="v3", model_dir="/m"),
+        Replica(name="r1", url="u", policy_version="v9", model_dir="/m", alias=ROLLOUT)]))
+    # Rollouts sample the learner's newest version: its chain is not "ahead of what serves"
+    # (max_lead_versions would rewind it to stable), and those samples are not stale.
+    assert learner.serving_versions() == {"v3", "v9"}
