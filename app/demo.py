@@ -181,6 +181,9 @@ def live_table(pop: Population, status: dict[str, dict]) -> Table:
         title += (f"\nload: {pop.active()} of {pop.users} users - lent to rollouts: "
                   f"{', '.join(status['capacity'].get('lent', [])) or 'none'} - rollout groups: "
                   f"{status['rollouts'].get('groups', 0)} ({status['rollouts'].get('cut', 0)} cut)")
+    if heldout := status.get("evaluator", {}).get("heldout"):
+        title += "\nheld-out pass rate, newest versions as the evaluator reaches them: " + ", ".join(
+            f"{version} {rate:.0%}" for version, rate in list(heldout.items())[-6:])
     table = Table(title=title)
     for column in ("version", "first served (s)", "served", "accepted", "accept rate", "95% CI"):
         table.add_column(column, justify="right")
@@ -477,6 +480,8 @@ def run_demo(settings: Settings, minutes: float, users: int, seed: int, max_toke
         pop = Population(settings, keys["tenant_key"], users, seed, max_tokens, load)
         threads = pop.start()
         components = ("learner", "controller") + (("capacity", "rollouts") if day_minutes else ())
+        if day_minutes and settings.rollouts.heldout_every_s is not None:
+            components += ("evaluator",)
         urls = {name: settings.url(getattr(settings.ports, name)) + "/health" for name in components}
         status: dict[str, dict] = {name: {} for name in urls}
         active: list[tuple[float, int]] = []  # (seconds, users active)
@@ -495,13 +500,15 @@ def run_demo(settings: Settings, minutes: float, users: int, seed: int, max_toke
                     tokens.append((now, status["rollouts"].get("tokens", 0)))
                 live.update(live_table(pop, status))
         pop.stop(threads)
-        stop_sources(settings, ("rollouts", "capacity"))  # a trough at the end would feed the drain forever
+        # A trough at the end would feed the drain forever; the evaluator's figures are taken.
+        stop_sources(settings, ("rollouts", "capacity", "evaluator"))
         day = None
         if day_minutes:
             from serving.capacity import read_events
 
             day = capacity_summary(pop, read_events(settings), status["rollouts"], active, tokens)
             day["load"] = active
+            day["heldout_live"] = status.get("evaluator", {}).get("heldout", {})  # as the evaluator reached them
         drain(settings, settings.drain_timeout_s, say=lambda _: None)
         per_version = json.loads(httpx.post(settings.url(settings.ports.sink) + "/sql", timeout=60, json={
             "sql": VERSION_SQL, "format": "json"}, headers=admin_headers(settings)).raise_for_status().text)["data"]

@@ -57,7 +57,7 @@ DRAINED_GROUPS = {
 # Every liverl component `up` starts, by the module it runs (compose.yaml runs the same).
 COMPONENTS = {"sink": "feedback.sink", "feedback": "feedback.stream", "api": "ingest.api",
               "gateway": "serving.gateway", "learner": "learner.service", "controller": "promotion.controller",
-              "capacity": "serving.capacity", "rollouts": "rollouts.worker"}
+              "capacity": "serving.capacity", "rollouts": "rollouts.worker", "evaluator": "rollouts.evaluator"}
 
 
 class StackError(RuntimeError):
@@ -110,17 +110,20 @@ class Launcher:
                              f"{lines[-1] if lines else 'no output'}; see {self.log(name)}")
         raise StackError(f"{name} was not healthy after {timeout:.0f} s; see {self.log(name)}")
 
-    def python(self, name: str, port: int, *args: str, background: bool = False) -> None:
-        """A liverl component; `background` ones (the stream) run niced, on `stream_cpus`."""
+    def python(self, name: str, port: int, *args: str, background: bool = False, nice: int | None = None) -> None:
+        """A liverl component; `background` ones (the stream) run at `stream_nice`, on
+        `stream_cpus`; others at `nice`, if given."""
         url = self.settings.url(port)
         argv = [sys.executable, "-m", COMPONENTS[name], *args]
         if background:
-            argv = ["nice", "-n", str(self.settings.stream_nice), *argv]
+            nice = self.settings.stream_nice
             if self.settings.stream_cpus:
                 argv = ["taskset", "-c", ",".join(map(str, self.settings.stream_cpus)), *argv]
+        if nice is not None:
+            argv = ["nice", "-n", str(nice), *argv]
         process = self.spawn(name, argv, child_env(self.settings), url)
-        if background:
-            yield_cpu(process.pid, self.settings.stream_nice)
+        if nice is not None:
+            yield_cpu(process.pid, nice)
         health = url + ("/" if name == "feedback" else "/health")
         self.wait(name, process, lambda: httpx.get(health, timeout=2).status_code == 200,
                   self.settings.start_timeout_s)
@@ -133,6 +136,8 @@ def check_ports(settings: Settings) -> None:
               "feedback": ports.feedback, "controller": ports.controller}
     if settings.capacity.enabled:
         wanted.update({"capacity scheduler": ports.capacity, "rollout worker": ports.rollouts})
+        if settings.rollouts.heldout_every_s is not None:
+            wanted["held-out evaluator"] = ports.evaluator
     if settings.serving.listen == "tcp":
         wanted.update({f"replica-{i}": ports.replica_base + i for i in range(settings.serving.replicas)})
     if isinstance(settings.broker, EmbeddedBroker):
@@ -231,6 +236,8 @@ def up(settings: Settings, say: Callable[[str], None] = print, progress: bool = 
         if settings.capacity.enabled:
             launcher.python("rollouts", settings.ports.rollouts)
             launcher.python("capacity", settings.ports.capacity)
+            if settings.rollouts.heldout_every_s is not None:
+                launcher.python("evaluator", settings.ports.evaluator, nice=19)
     except (StackError, ReplicaError, OSError) as error:
         stop_all(settings, launcher.started)
         raise StackError(str(error)) from None

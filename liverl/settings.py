@@ -156,6 +156,7 @@ class PortsConfig(Config):
     controller: Port = Field(18050, description="Promotion controller's health and admin port.")
     capacity: Port = Field(18040, description="Capacity scheduler's health and metrics port.")
     rollouts: Port = Field(18030, description="Rollout worker's health and metrics port.")
+    evaluator: Port = Field(18020, description="Held-out evaluator's health port.")
     replica_base: Port = Field(18100, description="First vLLM replica port; replica i uses base+i.")
 
 
@@ -449,6 +450,12 @@ class RolloutsConfig(Config):
                                        "an episode keeps before the policy summarises it; None: the replicas' "
                                        "serving.max_model_len (more is refused).")
     summary_tokens: int = Field(24, ge=1, description="Multi-turn environments: most tokens of one summary.")
+    heldout_every_s: float | None = Field(60.0, gt=0, description="While rollouts run, how often the learner's "
+                                          "newest version is evaluated greedily on the environment's held-out "
+                                          "tasks, at the lowest CPU priority, into its metrics (`heldout`); "
+                                          "None: no evaluator.")
+    heldout_tasks: int = Field(50, ge=1, description="Held-out tasks each evaluation scores (the same ones "
+                               "every time).")
 
 
 CONFIG_FILE_VARIABLE = "LIVERL_CONFIG_FILE"

@@ -129,17 +129,6 @@ class CodingEnvironment(Environment):
         while True:
             yield make_task(rng.choice(self.families), split, rng)
 
-    def heldout(self, count: int, seed: int = 0) -> list[Task]:
-        """`count` distinct held-out tasks, the same ones for the same seed (the pass-rate set)."""
-        tasks: dict[str, Task] = {}
-        stream = self.tasks("heldout", random.Random(seed))
-        for _ in range(count * 50):
-            task = next(stream)
-            tasks.setdefault(task.task_id, task)
-            if len(tasks) == count:
-                return list(tasks.values())
-        raise ValueError(f"coding environment: fewer than {count} distinct held-out tasks at these levels")
-
     def score(self, task: Task, completion: str) -> float:
         return run_tests(solution_source(task, completion), task.hidden, self.limits).score
 

@@ -25,6 +25,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from liverl.settings import RolloutsConfig
+
 Split = Literal["train", "heldout"]
 
 
@@ -57,6 +59,20 @@ class Environment(ABC):
         """Whether a completion counts towards the pass rate (every test passed)."""
         return self.score(task, completion) >= 1.0
 
+    def heldout(self, count: int, seed: int = 0) -> list[Task]:
+        """`count` distinct held-out tasks, the same ones for the same seed (the pass-rate set)."""
+        tasks: dict[str, Task] = {}
+        stream = self.tasks("heldout", random.Random(seed))
+        for _ in range(count * 50):
+            task = next(stream, None)
+            if task is None:
+                break
+            tasks.setdefault(task.task_id, task)
+            if len(tasks) == count:
+                return list(tasks.values())
+        raise ValueError(f"{self.name or type(self).__name__} environment: fewer than {count} distinct "
+                         "held-out tasks (at these levels)")
+
 
 class MultiTurnEnvironment(Environment):
     """A task worked through over several turns. After each of the policy's turns (an
@@ -76,6 +92,12 @@ class MultiTurnEnvironment(Environment):
     def resume(self, task: Task) -> tuple[str, str]:
         """A fresh context after a summary: (text before the summary, text after it)."""
         return task.prompt + "\nWhat you knew before:", "\n"
+
+
+def configured_environment(config: RolloutsConfig) -> Environment:
+    """The environment the settings name (the coding ones at `levels`)."""
+    kwargs = {"levels": config.levels} if config.environment in ("coding", "coding-feedback") else {}
+    return load_environment(config.environment, **kwargs)
 
 
 def load_environment(spec: str, **kwargs: Any) -> Environment:

@@ -41,12 +41,7 @@ from liverl.kafka import encode, make_producer
 from liverl.observability import log, mount_metrics, setup_logging
 from liverl.pool import SERVED_MODEL_NAME, Replica, read_pool, replica_async_client
 from liverl.settings import Settings, get_settings
-from rollouts.environment import (
-    Environment,
-    MultiTurnEnvironment,
-    Task,
-    load_environment,
-)
+from rollouts.environment import Environment, MultiTurnEnvironment, Task, configured_environment
 from rollouts.episode import Cut, Misconfigured, frame, play
 
 GROUPS = Counter("liverl_rollout_groups_total", "Rollout groups: published whole, cut (never published) "
@@ -72,8 +67,7 @@ def lent_replicas(settings: Settings) -> list[Replica]:
 class RolloutWorker:
     def __init__(self, settings: Settings, environment: Environment | None = None, seed: int | None = None):
         self.settings, self.config = settings, settings.rollouts
-        kwargs = {"levels": self.config.levels} if self.config.environment in ("coding", "coding-feedback") else {}
-        self.environment = environment or load_environment(self.config.environment, **kwargs)
+        self.environment = environment or configured_environment(self.config)
         # A multi-turn episode's context: the replicas' window unless set shorter.
         self.context_tokens = self.config.context_tokens or settings.serving.max_model_len
         if self.context_tokens > settings.serving.max_model_len:

@@ -96,3 +96,31 @@ def test_environments_load_by_name_or_module_path():
         load_environment("rollouts.coding:Family")
     with pytest.raises(ValueError, match="built-in name"):
         load_environment("nonesuch")
+
+
+def test_the_evaluator_scores_each_newest_version_once_into_its_metrics(tmp_path, starter_dir):
+    """While rollouts run, the newest version's held-out pass rate is recorded on it (the
+    live table and `liverl policy show` read it); each version once."""
+    import shutil
+
+    from liverl.settings import RolloutsConfig, Settings
+    from policies.registry import Registry
+    from rollouts.evaluator import Evaluator
+
+    settings = Settings(data_dir=tmp_path, rollouts=RolloutsConfig(levels=[1], heldout_tasks=6))
+    registry = Registry(settings.policies_dir)
+
+    def publish():
+        staged = tmp_path / f"staged-{len(registry.versions())}"
+        shutil.copytree(starter_dir, staged)
+        return registry.publish(staged, parent=None, window=None, metrics={}, sample_ids=[], actor="test").version
+    first = publish()
+    evaluator = Evaluator(settings)
+    figures = evaluator.step()
+    assert figures["tasks"] == 6 and 0.0 <= figures["pass_rate"] <= 1.0
+    assert registry.get(first).metrics["heldout"]["pass_rate"] == figures["pass_rate"]
+    assert evaluator.step() is None  # measured already
+    second = publish()
+    assert evaluator.step() is not None and list(evaluator.results) == [first, second]
+    # The same tasks every time.
+    assert [t.task_id for t in evaluator.tasks] == [t.task_id for t in Evaluator(settings).tasks]

@@ -1,0 +1,82 @@
+"""The held-out evaluator: while rollouts run, the learner's newest version is scored
+greedily on the environment's held-out tasks (never trained on), every
+`rollouts.heldout_every_s`, so learning from rollouts can be followed as it happens and
+not only afterwards. Each figure goes into the version's metrics (`heldout`: pass rate,
+tasks, seconds), so `liverl policy show`, the demo's live table and ClickHouse's
+`policy_versions` have it.
+
+It is the one component that may wait: it runs at the lowest CPU priority on one
+thread, so production and rollouts keep the cores, and it skips versions it had no turn
+for (the newest is what matters). The starter is evaluated first: the baseline.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import torch
+from fastapi import FastAPI
+
+from liverl.observability import log, mount_metrics, setup_logging
+from liverl.process import serve_beside
+from liverl.settings import Settings, get_settings
+from policies.registry import Registry
+from rollouts.environment import configured_environment
+from rollouts.evaluate import greedy_pass_rate
+
+logger = setup_logging("evaluator")
+
+
+class Evaluator:
+    def __init__(self, settings: Settings):
+        self.settings, self.config = settings, settings.rollouts
+        self.registry = Registry(settings.policies_dir)
+        self.environment = configured_environment(self.config)
+        self.tasks = self.environment.heldout(self.config.heldout_tasks)
+        self.results: dict[str, float] = {}  # version -> held-out pass rate, in the order measured
+
+    def step(self) -> dict | None:
+        """The newest version's held-out figures, if it has none yet (recorded too)."""
+        newest = self.registry.head() or self.registry.stable()
+        if newest is None or "heldout" in newest.metrics:
+            return None
+        started = time.time()
+        try:
+            rate = greedy_pass_rate(Path(newest.model_dir), self.environment, self.tasks)
+        except OSError as error:  # its weights removed by retention meanwhile: the next one, then
+            log(logger, "could not evaluate", version=newest.version, error=repr(error))
+            return None
+        figures = {"pass_rate": rate, "tasks": len(self.tasks), "seconds": time.time() - started,
+                   "evaluated_at": time.time()}
+        self.registry.update_metrics(newest.version, heldout=figures)
+        self.results[newest.version] = rate
+        log(logger, "evaluated", version=newest.version, **figures)
+        return figures
+
+    def run(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            try:
+                self.step()
+            except Exception as error:  # an evaluation never takes the service down
+                logger.exception(f"evaluation failed: {error!r}")
+            stop.wait(self.config.heldout_every_s)
+
+
+def create_app(evaluator: Evaluator) -> FastAPI:
+    app = FastAPI(title="liverl held-out evaluator")
+    mount_metrics(app)
+
+    @app.get("/health")
+    def health() -> dict:
+        return {"ok": True, "tasks": len(evaluator.tasks), "heldout": evaluator.results}
+
+    return app
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)  # and `liverl up` starts it at the lowest priority: production and rollouts first
+    settings = get_settings()
+    evaluator = Evaluator(settings)
+    serve_beside(create_app(evaluator), settings.host, settings.ports.evaluator, evaluator.run)
