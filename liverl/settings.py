@@ -480,7 +480,7 @@ class Settings(BaseSettings):
     """liverl's settings. Environment: `LIVERL_<FIELD>`, nested with `__`; below it, the
     TOML file named by `LIVERL_CONFIG_FILE`."""
 
-    model_config = SettingsConfigDict(env_prefix="LIVERL_", env_nested_delimiter="__",
+    model_config = SettingsConfigDict(env_prefix="LIVERL_", env_nested_delimiter="__", env_parse_none_str="null",
                                       extra="forbid", validate_assignment=True)
 
     @classmethod

@@ -102,3 +102,8 @@ def test_secrets_stay_out_of_the_settings_file_and_reach_children(monkeypatch):
     again = Settings(**json.loads(public))
     assert again.warehouse.password.get_secret_value() == "hunter2-ch"
     assert again.warehouse.host == settings.warehouse.host
+
+
+def test_null_in_the_environment_turns_an_optional_setting_off(monkeypatch):
+    monkeypatch.setenv("LIVERL_ROLLOUTS__HELDOUT_EVERY_S", "null")  # no held-out evaluator
+    assert Settings().rollouts.heldout_every_s is None
