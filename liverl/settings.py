@@ -450,10 +450,12 @@ class RolloutsConfig(Config):
                                        "an episode keeps before the policy summarises it; None: the replicas' "
                                        "serving.max_model_len (more is refused).")
     summary_tokens: int = Field(24, ge=1, description="Multi-turn environments: most tokens of one summary.")
-    heldout_every_s: float | None = Field(60.0, gt=0, description="While rollouts run, how often the learner's "
+    heldout_every_s: float | None = Field(None, gt=0, description="While rollouts run, how often the learner's "
                                           "newest version is evaluated greedily on the environment's held-out "
                                           "tasks, at the lowest CPU priority, into its metrics (`heldout`); "
-                                          "None: no evaluator.")
+                                          "None: no evaluator. It runs the policy with transformers on one CPU "
+                                          "thread: for small policies such as the embedded starter (the demo's "
+                                          "day sets 60 s).")
     heldout_tasks: int = Field(50, ge=1, description="Held-out tasks each evaluation scores (the same ones "
                                "every time).")
 

@@ -105,5 +105,8 @@ def test_secrets_stay_out_of_the_settings_file_and_reach_children(monkeypatch):
 
 
 def test_null_in_the_environment_turns_an_optional_setting_off(monkeypatch):
+    monkeypatch.setenv("LIVERL_LEARNER__ROLLOUT_SHARE", "0.25")
     monkeypatch.setenv("LIVERL_ROLLOUTS__HELDOUT_EVERY_S", "null")  # no held-out evaluator
-    assert Settings().rollouts.heldout_every_s is None
+    assert Settings().learner.rollout_share == 0.25 and Settings().rollouts.heldout_every_s is None
+    monkeypatch.setenv("LIVERL_LEARNER__ROLLOUT_SHARE", "null")  # every complete group, again
+    assert Settings().learner.rollout_share is None
