@@ -479,8 +479,8 @@ def config_file_source(settings_cls: type[BaseSettings]) -> TomlConfigSettingsSo
 
 
 class Settings(BaseSettings):
-    """liverl's settings. Environment: `LIVERL_<FIELD>`, nested with `__`; below it, the
-    TOML file named by `LIVERL_CONFIG_FILE`."""
+    """liverl's settings. Environment: `LIVERL_<FIELD>`, nested with `__` (`null` turns an
+    optional field off); below it, the TOML file named by `LIVERL_CONFIG_FILE`."""
 
     model_config = SettingsConfigDict(env_prefix="LIVERL_", env_nested_delimiter="__", env_parse_none_str="null",
                                       extra="forbid", validate_assignment=True)
