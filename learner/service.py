@@ -106,6 +106,7 @@ class OpenGroup:
     opened: float = field(default_factory=time.time)
     members: dict[str, RewardedSample] = field(default_factory=dict)
     first_offsets: dict[TopicPartition, int] = field(default_factory=dict)
+    passed_over: int = 0  # versions written while it was complete and waited (rollout_share)
 
     @property
     def complete(self) -> bool:
@@ -269,21 +270,34 @@ class Learner:
     def complete_groups(self) -> dict[str, OpenGroup]:
         return {key: g for key, g in self.open_groups.items() if g.complete}
 
-    def give_up_groups(self) -> None:
-        """Give up groups that stayed incomplete (a rollout cut short, a worker that died),
-        and groups that waited (for members, or for room under `rollout_share`) until
-        their version fell too far behind to train on."""
+    def expire_groups(self) -> None:
+        """Give up groups that stayed incomplete (a rollout cut short, a worker that died)."""
         now = time.time()
         for key, group in list(self.open_groups.items()):
             if not group.complete and now - group.opened > self.config.group_timeout_s:
-                reason = "incomplete_group"
-            elif self.stale(group.policy_version):
-                reason = "stale"
+                del self.open_groups[key]
+                for _ in group.members:
+                    self.drop("incomplete_group")
+
+    def take_groups(self) -> list[OpenGroup]:
+        """The complete groups this version trains (`choose_groups`), no longer open; the
+        rest wait for the next version, whole. A group that `rollout_share` held back until
+        its version fell more than `max_version_lag` behind is dropped as stale instead: it
+        was fresh when it arrived, but unlike a lone sample it waited (for versions)."""
+        for key, group in list(self.complete_groups().items()):
+            if group.passed_over and self.stale(group.policy_version):
+                del self.open_groups[key]
+                for _ in group.members:
+                    self.drop("stale")
+        ready = self.complete_groups()
+        chosen = choose_groups(list(ready.values()), len(self.pending), self.config.rollout_share)
+        taken = {id(g) for g in chosen}
+        for key, group in ready.items():
+            if id(group) in taken:
+                del self.open_groups[key]
             else:
-                continue
-            del self.open_groups[key]
-            for _ in group.members:
-                self.drop(reason)
+                group.passed_over += 1
+        return chosen
 
     def safe_offsets(self) -> dict[TopicPartition, int]:
         """Consumed offsets, held back to the first member of any group not yet trained
@@ -317,11 +331,7 @@ class Learner:
         )
 
     def learn(self, consumer: KafkaConsumer) -> PolicyVersion:
-        ready = self.complete_groups()
-        chosen = choose_groups(list(ready.values()), len(self.pending), self.config.rollout_share)
-        taken = {id(g) for g in chosen}
-        for key in [k for k, g in ready.items() if id(g) in taken]:
-            del self.open_groups[key]  # the rest wait for the next version, whole
+        chosen = self.take_groups()
         batch = list(self.pending.values()) + [s for g in chosen for s in g.members.values()]
         train = [s for s in batch if not held_out(s, self.config.holdout_fraction)]
         self.holdout = (self.holdout + [s for s in batch if held_out(s, self.config.holdout_fraction)])[-512:]
@@ -432,7 +442,7 @@ class Learner:
                     for record in records:
                         self.take(record.value, (tp, record.offset))
                         self.next_offsets[tp] = record.offset + 1
-                self.give_up_groups()
+                self.expire_groups()
                 PENDING.set(len(self.pending))
                 if self.due() or (self.flush_requested.is_set() and (self.pending or self.complete_groups())):
                     self.rebase_if_too_far_ahead()

@@ -141,16 +141,25 @@ def test_a_version_is_due_for_what_it_will_train_not_for_groups_the_share_holds_
     assert learner_with({"batch_samples": 96}, pending=0, groups_waiting=waiting).due()  # rollouts alone
 
 
-def test_a_group_that_waited_past_the_version_lag_is_dropped_as_stale_not_trained(monkeypatch):
+def test_a_group_the_share_held_back_past_the_version_lag_is_dropped_as_stale_not_trained(monkeypatch):
     monkeypatch.setattr("learner.service.DROPPED", SimpleNamespace(labels=lambda reason: SimpleNamespace(inc=lambda: 0)))
-    old, fresh = complete(8, "v1", opened=1e12), complete(8, "v4", opened=1e12)
-    learner = learner_with({"max_version_lag": 3}, groups_waiting=[old, fresh], current_seq=5)
-    learner.give_up_groups()
-    assert list(learner.open_groups.values()) == [fresh] and learner.dropped["stale"] == 8
-    learner = learner_with({"max_version_lag": 3}, groups_waiting=[old], current_seq=5)
+    # 8 production samples at a share of a half: room for one group of 8 per version.
+    first, second = complete(8, "v1", opened=1.0), complete(8, "v1", opened=2.0)
+    learner = learner_with({"max_version_lag": 3, "rollout_share": 0.5}, pending=8, groups_waiting=[first, second],
+                           current_seq=2)
+    assert learner.take_groups() == [first] and second.passed_over == 1  # v1 is one behind: it waits
+    learner.current = SimpleNamespace(seq=5)  # versions went by; v1 is four behind now
+    assert learner.take_groups() == [] and learner.open_groups == {} and learner.dropped["stale"] == 8
+    # A group that only just completed arrived fresh (its members were checked as they came):
+    # it trains, as a lone sample that arrived fresh does.
+    just_complete = complete(8, "v1", opened=3.0)
+    learner = learner_with({"max_version_lag": 3}, groups_waiting=[just_complete], current_seq=5)
+    assert learner.take_groups() == [just_complete]
+    held = complete(8, "v1", opened=4.0)
+    held.passed_over = 2
+    learner = learner_with({"max_version_lag": 3, "rollout_share": 0.5}, pending=8, groups_waiting=[held], current_seq=5)
     learner.serving = {"v1"}  # what serves now is never stale
-    learner.give_up_groups()
-    assert list(learner.open_groups.values()) == [old]
+    assert learner.take_groups() == [held]
 
 
 def test_what_lent_replicas_serve_counts_as_serving(tmp_path):
