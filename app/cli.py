@@ -87,7 +87,7 @@ def status(data_dir: Optional[Path] = DataDir, as_json: bool = typer.Option(Fals
                 for c in report["components"]], f"cluster {report['cluster_id']}")
     if report["capacity_events"]:
         print_rows([{k: e[k] for k in ("timestamp", "action", "replica", "policy_version", "load",
-                                               "tokens_per_s", "seconds", "bound_s", "why")}
+                                       "tokens_per_s", "seconds", "bound_s", "why")}
                     for e in report["capacity_events"]], "replicas lent to rollouts and taken back (latest)")
     console.print(f"development keys: {report['keys_file']}")
 

@@ -2,8 +2,8 @@
 greedily on the environment's held-out tasks (never trained on), every
 `rollouts.heldout_every_s`, so learning from rollouts can be followed as it happens and
 not only afterwards. Each figure goes into the version's metrics (`heldout`: pass rate,
-tasks, seconds), so `liverl policy show`, the demo's live table and ClickHouse's
-`policy_versions` have it.
+tasks, seconds), so `liverl policy show` and the demo's live table have it, and
+ClickHouse's `policy_versions` from the version's next change of state.
 
 It is the one component that may wait: it runs at the lowest CPU priority on one
 thread, so production and rollouts keep the cores, and it skips versions it had no turn
@@ -78,5 +78,7 @@ def create_app(evaluator: Evaluator) -> FastAPI:
 if __name__ == "__main__":
     torch.set_num_threads(1)  # and `liverl up` starts it at the lowest priority: production and rollouts first
     settings = get_settings()
+    if settings.rollouts.heldout_every_s is None:  # compose starts it whatever the settings say
+        raise SystemExit("the held-out evaluator needs LIVERL_ROLLOUTS__HELDOUT_EVERY_S (seconds between evaluations)")
     evaluator = Evaluator(settings)
     serve_beside(create_app(evaluator), settings.host, settings.ports.evaluator, evaluator.run)
