@@ -349,7 +349,8 @@ class PromotionConfig(Config):
     reward_margin: float = Field(0.1, ge=0, description="Non-inferiority margin on the mean reward.")
     min_samples: int = Field(50, ge=10, description="Judged completions per arm before any verdict.")
     canary_refresh_samples: int = Field(400, ge=10, description="Canary completions after which an undecided "
-                                        "canary gives its place to a newer candidate that passed the gate.")
+                                        "canary gives its place to a newer candidate that passed the gate (sooner "
+                                        "if, at the rate its interval narrows, it would still be undecided then).")
     max_samples: int = Field(3000, ge=10, description="Canary completions after which an undecided canary "
                              "is aborted as inconclusive.")
     max_canary_s: float = Field(900.0, gt=0, description="Seconds after which an undecided canary is aborted "

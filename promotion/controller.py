@@ -9,7 +9,8 @@ never waits for a canary and a learner restart never interrupts one.
   on accept rate and mean reward with an always-valid test, so looking every second is
   sound. Clearly worse on either: `aborted`, its replica back on stable, and the learner
   asked to rewind to stable. Non-inferior within the margins on both: stable on every
-  replica. Undecided after `canary_refresh_samples` with a newer candidate waiting: the
+  replica. Undecided after `canary_refresh_samples` with a newer candidate waiting (or
+  sooner, when at the rate its interval narrows it would still be undecided then): the
   newer one takes its place. Neither by `max_samples` or `max_canary_s`: aborted as
   inconclusive.
 - The slide guard: small steps can add up to a decline no single comparison calls
@@ -49,6 +50,7 @@ from promotion.dashboard import Operator, mount_dashboard
 from promotion.promoter import Promoter
 from promotion.reports import ReportError, SinkError, diff, history, served_at
 from promotion.sequential import Arm, Comparison, compare, confidence_sequence
+from sync.replica import ReplicaSync
 
 ACTOR = "controller"
 T = TypeVar("T")
@@ -111,6 +113,7 @@ class Controller:
         # One change at a time: the loop's look and on-call's commands (the admin API).
         self.lock = threading.RLock()
         self.http = httpx.Client()  # the sink's figures and the gateway's load, every look: one client
+        self.staged: tuple[str, set[tuple[str, str]]] = ("", set())  # the canary, (replica, version) staged beside it
 
     @property
     def judge_after_s(self) -> float:
@@ -204,6 +207,7 @@ class Controller:
             self.take_candidate()
         else:
             self.state = "idle (auto_promote off)"
+        self.serve_stable_everywhere()
 
     def take_candidate(self) -> None:
         stable = self.registry.stable()
@@ -316,12 +320,14 @@ class Controller:
                     tenants=[c.model_dump() for c in tenants], serving=[c.model_dump() for c in serving])
         self.registry.update_metrics(canary.version, canary=info)
         if verdict == "continue":
-            if canary_n >= self.config.canary_refresh_samples and not pin and (newer := self.newer_candidate(canary)):
+            if self.gives_way(comparisons, canary_n) and not pin and (newer := self.newer_candidate(canary)):
                 # Undecided is not worse: the newer candidate takes the canary's place, and
                 # the learner's chain goes on (nothing was taken off users for its quality).
                 self.promoter.transition(canary.version, "superseded", ACTOR,
                                          f"undecided after {canary_n} completions; {newer.version} is newer")
                 self.take_candidate()
+            else:
+                self.stage_ahead(canary)
             return
         figures_text = "; ".join(f"{c.metric} {c.canary_mean:.3f} vs {c.stable_mean:.3f} "
                                  f"(n {c.canary_n}/{c.stable_n}, difference in [{c.low:+.3f}, {c.high:+.3f}])"
@@ -339,7 +345,12 @@ class Controller:
             self.state = f"{canary.version} non-inferior; stable pinned by {pin.actor}, so it waits"
             return
         if verdict == "non_inferior":
-            self.promoter.finish(canary.version, ACTOR, f"canary non-inferior to {stable.version}: {figures_text}")
+            successor = self.newer_candidate(canary)
+            self.promoter.finish(canary.version, ACTOR, f"canary non-inferior to {stable.version}: {figures_text}",
+                                 leave_one=successor is not None)
+            if successor is not None:  # the replica left on the old stable takes it, one swap
+                self.take_candidate()
+                self.serve_stable_everywhere()  # unless it did not start
             return
         why = "clearly worse than" if verdict == "worse" else "not shown non-inferior to"
         reason = f"canary {why} {stable.version} after {age:.0f} s: {figures_text}"
@@ -348,6 +359,46 @@ class Controller:
         # nobody to ask, stable stays.
         self.alert("canary_aborted" if verdict == "worse" else "canary_needs_a_human", canary.version, reason,
                    comparisons=info["comparisons"], seconds=info["seconds"])
+
+    def gives_way(self, comparisons: list[Comparison], canary_n: int) -> bool:
+        """Whether an undecided canary should give its replica to a newer candidate: after
+        `canary_refresh_samples` completions, or sooner (from `min_samples` on) when at the
+        rate its intervals narrow some metric would still be undecided by then."""
+        refresh = self.config.canary_refresh_samples
+        return canary_n >= refresh or (canary_n >= self.config.min_samples and any(
+            c.to_non_inferior is None or c.to_non_inferior > refresh for c in comparisons))
+
+    def stage_ahead(self, canary: PolicyVersion) -> None:
+        """While the canary is judged, rebuild on the replicas beside it what they will
+        serve after the verdict (the newest candidate that passed the gate on the first,
+        which `finish` leaves for it; the canary's version on the others), so the swaps
+        then only load. Staged already: nothing to do; failed: the swap stages again."""
+        if self.settings.sync.transport != "delta":
+            return
+        beside = [r for r in read_pool(self.settings).general
+                  if r.alias is None and r.policy_version != canary.version]
+        successor = self.newer_candidate(canary)
+        if self.staged[0] != canary.version:
+            self.staged = (canary.version, set())
+        for i, replica in enumerate(beside):
+            version = successor.version if successor is not None and i == 0 else canary.version
+            if (replica.name, version) in self.staged[1]:
+                continue
+            try:
+                ReplicaSync.of(self.settings, replica.name).stage(version)
+                self.staged[1].add((replica.name, version))
+            except Exception as error:
+                log(logger, "could not stage ahead", replica=replica.name, version=version, error=repr(error))
+
+    def serve_stable_everywhere(self) -> None:
+        """With no canary, every production replica serves stable: catches a replica left
+        for a next canary that did not start (or by a controller killed in between)."""
+        stable = self.registry.stable()
+        if stable is None or self.registry.in_state("canary"):
+            return
+        if any(r.alias is None and r.policy_version != stable.version for r in read_pool(self.settings).general):
+            if failed := [r for r in self.promoter.serve_everywhere(stable.version) if not r.ok]:
+                log(logger, "could not put stable on every replica", version=stable.version, error=failed[0].error)
 
     def newer_candidate(self, canary: PolicyVersion) -> PolicyVersion | None:
         """The newest candidate after `canary` that passed the offline gate, if any."""

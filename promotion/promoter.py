@@ -85,10 +85,14 @@ class Promoter:
         set_aliases(self.settings, **{alias: version})
         return move
 
-    def finish(self, version: str, actor: str, reason: str) -> PolicyVersion:
-        """From canary to every replica; the previous stable is superseded."""
+    def finish(self, version: str, actor: str, reason: str, leave_one: bool = False) -> PolicyVersion:
+        """From canary to every replica; the previous stable is superseded. `leave_one`: one
+        replica still on the previous stable is left for the next canary, which the caller
+        starts at once (one swap per promotion instead of two: that replica goes from the
+        old stable straight to the next candidate); if it does not, the caller puts stable
+        there (`serve_everywhere`)."""
         previous = self.registry.stable()
-        reports = self.serve_everywhere(version)
+        reports = self.serve_everywhere(version, leave_one)
         swaps = self.registry.get(version).metrics.get("swaps", [])
         self.registry.update_metrics(version, swaps=swaps + [r.model_dump() for r in reports])
         if failed := [r for r in reports if not r.ok]:
@@ -98,19 +102,20 @@ class Promoter:
             self.transition(previous.version, "superseded", actor, f"replaced by {version}")
         return self.transition(version, "stable", actor, reason)
 
-    def serve_everywhere(self, version: str) -> list[SwapReport]:
-        """`version` on every production replica and named stable; the reports of its swaps.
+    def serve_everywhere(self, version: str, leave_one: bool = False) -> list[SwapReport]:
+        """`version` on every production replica (but one, `leave_one`) and named stable;
+        the reports of its swaps.
 
         A replica the capacity scheduler brings back from rollouts while this runs returns
         on the stable it read: if that was before the alias moved, a second pass (after it)
         swaps the replica too; if after, the scheduler itself swaps it again."""
         from serving.swap import roll_out
 
-        reports = roll_out(self.settings, version, self.weights(version))
+        reports = roll_out(self.settings, version, self.weights(version), leave_one)
         if any(not r.ok for r in reports):
             return reports
         set_aliases(self.settings, stable=version, canary=None)
-        return reports + roll_out(self.settings, version, self.weights(version))
+        return reports + roll_out(self.settings, version, self.weights(version), leave_one)
 
     def promote(self, version: str, actor: str, reason: str = "offline gate passed") -> PolicyVersion:
         """Canary then stable, without waiting for live feedback in between."""

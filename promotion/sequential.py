@@ -51,10 +51,37 @@ def confidence_sequence(a: Arm, b: Arm, alpha: float, tau: float,
     d = b.mean - a.mean
     if a.n == 0 or b.n == 0:
         return d, -math.inf, math.inf
-    v = a.variance(prior_var) / a.n + b.variance(prior_var) / b.n
-    t2 = tau * tau
-    half = math.sqrt(2 * v * (v + t2) / t2 * math.log(math.sqrt((v + t2) / v) / alpha))
+    half = half_width(difference_variance(a, b, prior_var), alpha, tau)
     return d, d - half, d + half
+
+
+def difference_variance(a: Arm, b: Arm, prior_var: float) -> float:
+    """V, the variance of the observed difference of means."""
+    return a.variance(prior_var) / a.n + b.variance(prior_var) / b.n
+
+
+def half_width(v: float, alpha: float, tau: float) -> float:
+    """The confidence sequence's half-width at difference variance `v` (above)."""
+    t2 = tau * tau
+    return math.sqrt(2 * v * (v + t2) / t2 * math.log(math.sqrt((v + t2) / v) / alpha))
+
+
+def samples_to_non_inferior(d: float, v: float, n: int, *, alpha: float, tau: float, margin: float) -> int | None:
+    """About how many canary outcomes the interval needs to clear -margin if the
+    difference `d` stays where it is and both arms grow in proportion (V shrinks as 1/n
+    from `v` at `n`); None if it never would (d at or below -margin). A projection for
+    giving way to a newer candidate (futility, as in group-sequential trials), never a
+    verdict: it decides nothing about the canary."""
+    room = d + margin
+    if room <= 0 or n == 0:
+        return None
+    low, high = n, n
+    while half_width(v * n / high, alpha, tau) >= room:
+        low, high = high, high * 2
+    while high - low > 1:  # the half-width shrinks as n grows: bisect for the first n that clears
+        middle = (low + high) // 2
+        low, high = (middle, high) if half_width(v * n / middle, alpha, tau) >= room else (low, middle)
+    return high if half_width(v * n / low, alpha, tau) >= room else low
 
 
 Decision = Literal["continue", "worse", "non_inferior", "inconclusive"]
@@ -72,6 +99,8 @@ class Comparison(BaseModel):
     difference: float = Field(description="canary - stable")
     low: float = Field(description="Always-valid lower bound of the difference.")
     high: float = Field(description="Always-valid upper bound of the difference.")
+    to_non_inferior: int | None = Field(None, description="Canary outcomes at which, the difference held where "
+                                        "it is, the interval would clear -margin (None: never).")
 
 
 def compare(metric: str, stable: Arm, canary: Arm, *, alpha: float, tau: float, margin: float,
@@ -80,6 +109,10 @@ def compare(metric: str, stable: Arm, canary: Arm, *, alpha: float, tau: float, 
     -margin; otherwise keep looking. `min_samples` per arm before any verdict: the normal
     approximation needs a few dozen outcomes."""
     d, low, high = confidence_sequence(stable, canary, alpha, tau, prior_var)
+    projected = None
+    if stable.n and canary.n:
+        projected = samples_to_non_inferior(d, difference_variance(stable, canary, prior_var), canary.n,
+                                            alpha=alpha, tau=tau, margin=margin)
     decision: Decision = "continue"
     if min(stable.n, canary.n) >= min_samples:
         if high < 0:
@@ -88,7 +121,7 @@ def compare(metric: str, stable: Arm, canary: Arm, *, alpha: float, tau: float, 
             decision = "non_inferior"
     return Comparison(metric=metric, decision=decision, canary_n=canary.n, stable_n=stable.n,
                       canary_mean=canary.mean, stable_mean=stable.mean, difference=d,
-                      low=max(low, -1e9), high=min(high, 1e9))
+                      low=max(low, -1e9), high=min(high, 1e9), to_non_inferior=projected)
 
 
 def wilson(accepted: int, n: int, z: float = 1.96) -> tuple[float, float]:

@@ -254,15 +254,19 @@ def swap_by_restart(settings: Settings, name: str, version: str, model_dir: Path
     return report
 
 
-def roll_out(settings: Settings, version: str, model_dir: Path) -> list[SwapReport]:
+def roll_out(settings: Settings, version: str, model_dir: Path, leave_one: bool = False) -> list[SwapReport]:
     """Canary first: one replica, verified; then the rest. Stops at the first failure. A
     team's dedicated replica keeps its version, and one lent to rollouts meanwhile is the
-    capacity scheduler's to bring back (onto stable)."""
+    capacity scheduler's to bring back (onto stable). `leave_one`: the first replica not
+    on `version` is left as it is (for the next canary)."""
     reports = []
     for name in [r.name for r in read_pool(settings).general]:
         with replica_lock(settings, name):
             replica = read_pool(settings).get(name)  # as it is now that nobody else moves it
             if replica.alias is not None or replica.policy_version == version:
+                continue
+            if leave_one:
+                leave_one = False
                 continue
             report = replace_replica(settings, name, version, model_dir)
         reports.append(report)

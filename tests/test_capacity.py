@@ -371,15 +371,19 @@ def test_production_tokens_per_second_can_hold_a_lend_back():
     assert rules.decide(1.0, quiet, pool(), False).action == "lend"
 
 
-def fake_swaps(monkeypatch, settings, during=None):
+def fake_swaps(monkeypatch, settings, during=None, failing=()):
     """vLLM's side of a swap faked: the pool records the new version (what a verified swap
-    writes); `during(version)` runs while the first swap is under way."""
+    writes); `during(version)` runs while the first swap is under way; a swap to a version
+    in `failing` fails verification, and the replica serves on as it did."""
     swaps = []
 
     def replace(settings_, name, version, model_dir, enable=True):
         swaps.append((name, version))
         if during is not None and len(swaps) == 1:
             during(version)
+        if version in failing:
+            return serving.swap.SwapReport(replica=name, version=version, ok=False, mode="inplace",
+                                           error="probe mismatch", reverted=True)
         liverl.pool.set_replica(settings, name, policy_version=version, enabled=enable)
         return serving.swap.SwapReport(replica=name, version=version, ok=True, mode="inplace")
     monkeypatch.setattr("serving.capacity.replace_replica", replace)
