@@ -10,8 +10,8 @@ never waits for a canary and a learner restart never interrupts one.
   sound. Clearly worse on either: `aborted`, its replica back on stable, and the learner
   asked to rewind to stable. Non-inferior within the margins on both: stable on every
   replica. Undecided after `canary_refresh_samples` with a newer candidate waiting (or
-  sooner, when at the rate its interval narrows it would still be undecided then): the
-  newer one takes its place. Neither by `max_samples` or `max_canary_s`: aborted as
+  sooner, when at the rate its intervals narrow it would still have no verdict then):
+  the newer one takes its place. Neither by `max_samples` or `max_canary_s`: aborted as
   inconclusive.
 - The slide guard: small steps can add up to a decline no single comparison calls
   significant. Stable's served accept rate is compared with that of each of the last
@@ -49,7 +49,7 @@ from policies.registry import REJECTED, AliasMove, Pin, PolicyVersion, Registry
 from promotion.dashboard import Operator, mount_dashboard
 from promotion.promoter import Promoter
 from promotion.reports import ReportError, SinkError, diff, history, served_at
-from promotion.sequential import Arm, Comparison, compare, confidence_sequence
+from promotion.sequential import Arm, Comparison, compare, confidence_sequence, verdict_in_sight
 from sync.replica import ReplicaSync
 
 ACTOR = "controller"
@@ -363,10 +363,11 @@ class Controller:
     def gives_way(self, comparisons: list[Comparison], canary_n: int) -> bool:
         """Whether an undecided canary should give its replica to a newer candidate: after
         `canary_refresh_samples` completions, or sooner (from `min_samples` on) when at the
-        rate its intervals narrow some metric would still be undecided by then."""
+        rate its intervals narrow it would still have no verdict by then. One heading for
+        "worse" is waited for: an abort rewinds the learner, giving way does not."""
         refresh = self.config.canary_refresh_samples
-        return canary_n >= refresh or (canary_n >= self.config.min_samples and any(
-            c.to_non_inferior is None or c.to_non_inferior > refresh for c in comparisons))
+        return canary_n >= refresh or (canary_n >= self.config.min_samples and bool(comparisons)
+                                       and not verdict_in_sight(comparisons, refresh))
 
     def stage_ahead(self, canary: PolicyVersion) -> None:
         """While the canary is judged, rebuild on the replicas beside it what they will

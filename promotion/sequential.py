@@ -66,13 +66,13 @@ def half_width(v: float, alpha: float, tau: float) -> float:
     return math.sqrt(2 * v * (v + t2) / t2 * math.log(math.sqrt((v + t2) / v) / alpha))
 
 
-def samples_to_non_inferior(d: float, v: float, n: int, *, alpha: float, tau: float, margin: float) -> int | None:
-    """About how many canary outcomes the interval needs to clear -margin if the
-    difference `d` stays where it is and both arms grow in proportion (V shrinks as 1/n
-    from `v` at `n`); None if it never would (d at or below -margin). A projection for
-    giving way to a newer candidate (futility, as in group-sequential trials), never a
-    verdict: it decides nothing about the canary."""
-    room = d + margin
+def samples_to_clear(room: float, v: float, n: int, *, alpha: float, tau: float) -> int | None:
+    """About how many canary outcomes the interval needs before its half-width is below
+    `room`, both arms growing in proportion (V shrinks as 1/n from `v` at `n`); None if
+    `room` is not positive. With the difference held where it is, room d + margin gives
+    the outcomes to a non-inferior verdict, room -d those to a worse one. A projection
+    for giving way to a newer candidate (futility, as in group-sequential trials), never
+    a verdict: it decides nothing about the canary."""
     if room <= 0 or n == 0:
         return None
     low, high = n, n
@@ -101,6 +101,8 @@ class Comparison(BaseModel):
     high: float = Field(description="Always-valid upper bound of the difference.")
     to_non_inferior: int | None = Field(None, description="Canary outcomes at which, the difference held where "
                                         "it is, the interval would clear -margin (None: never).")
+    to_worse: int | None = Field(None, description="Canary outcomes at which, the difference held where it is, "
+                                 "the interval would fall below 0 (None: never).")
 
 
 def compare(metric: str, stable: Arm, canary: Arm, *, alpha: float, tau: float, margin: float,
@@ -109,10 +111,11 @@ def compare(metric: str, stable: Arm, canary: Arm, *, alpha: float, tau: float, 
     -margin; otherwise keep looking. `min_samples` per arm before any verdict: the normal
     approximation needs a few dozen outcomes."""
     d, low, high = confidence_sequence(stable, canary, alpha, tau, prior_var)
-    projected = None
+    projected: dict[str, int | None] = {}
     if stable.n and canary.n:
-        projected = samples_to_non_inferior(d, difference_variance(stable, canary, prior_var), canary.n,
-                                            alpha=alpha, tau=tau, margin=margin)
+        v = difference_variance(stable, canary, prior_var)
+        projected = {"to_non_inferior": samples_to_clear(d + margin, v, canary.n, alpha=alpha, tau=tau),
+                     "to_worse": samples_to_clear(-d, v, canary.n, alpha=alpha, tau=tau)}
     decision: Decision = "continue"
     if min(stable.n, canary.n) >= min_samples:
         if high < 0:
@@ -121,7 +124,14 @@ def compare(metric: str, stable: Arm, canary: Arm, *, alpha: float, tau: float, 
             decision = "non_inferior"
     return Comparison(metric=metric, decision=decision, canary_n=canary.n, stable_n=stable.n,
                       canary_mean=canary.mean, stable_mean=stable.mean, difference=d,
-                      low=max(low, -1e9), high=min(high, 1e9), to_non_inferior=projected)
+                      low=max(low, -1e9), high=min(high, 1e9), **projected)
+
+
+def verdict_in_sight(looks: list[Comparison], within: int) -> bool:
+    """Whether, the differences held where they are, the canary would get a verdict within
+    `within` outcomes: worse on some metric, or non-inferior on all."""
+    worse = any(c.to_worse is not None and c.to_worse <= within for c in looks)
+    return worse or all(c.to_non_inferior is not None and c.to_non_inferior <= within for c in looks)
 
 
 def wilson(accepted: int, n: int, z: float = 1.96) -> tuple[float, float]:

@@ -125,6 +125,7 @@ def test_while_a_canary_is_judged_the_replica_beside_it_stages_what_it_serves_ne
 @pytest.mark.parametrize("rates, gives_way", [
     ({"v0": (60, 30), "v1": (60, 30)}, True),  # 0.5 against 0.5: about 550 more to decide, past the refresh (300)
     ({"v0": (60, 57), "v1": (60, 57)}, False),  # 0.95 against 0.95: decided at about 120, so it is waited for
+    ({"v0": (60, 30), "v1": (60, 18)}, False),  # 0.3 against 0.5: worse at about 130; an abort rewinds the learner
 ])
 def test_an_undecided_canary_gives_way_to_a_newer_candidate_once_it_would_stay_undecided(
         monkeypatch, guarded, rates, gives_way):

@@ -105,3 +105,14 @@ def test_no_number_of_samples_makes_a_canary_below_the_margin_non_inferior():
     below = compare("accept_rate", Arm(n=100, total=60, squares=60), Arm(n=100, total=48, squares=48),
                     alpha=ALPHA, tau=TAU, margin=0.1, min_samples=10)
     assert below.to_non_inferior is None
+
+
+@pytest.mark.parametrize("p_stable, p_canary", [(0.5, 0.35), (0.9, 0.8)])
+def test_the_projected_samples_to_a_worse_verdict_match_where_the_interval_gets_there(p_stable, p_canary):
+    def look(n: int):
+        return compare("accept_rate", Arm(n=n, total=p_stable * n, squares=p_stable * n),
+                       Arm(n=n, total=p_canary * n, squares=p_canary * n), alpha=ALPHA, tau=TAU, margin=0.1,
+                       min_samples=10)
+    projected = look(60).to_worse
+    reached = next(n for n in range(10, 5000) if look(n).decision == "worse")
+    assert 0.9 * reached <= projected <= 1.1 * reached, (projected, reached)
