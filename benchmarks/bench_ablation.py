@@ -116,7 +116,7 @@ def run(seed: int, rounds: int, batch: int, max_tokens: int, stable_lag: int, ca
         versions.append(published(trainer))
         per_version.append({"version": k + 1, "served_accept": curve[-1], "stable": arms["stable"],
                             "canary": arms["canary"],
-                            **{m: metrics.get(m) for m in ("entropy", "kl_from_parent", "mean_is_weight",
+                            **{m: metrics.get(m) for m in ("lr", "entropy", "kl_from_parent", "mean_is_weight",
                                                            "clipped_fraction", "grad_norm")}})
         if (old := k - max(stable_lag, canary_lag)) >= 0:
             versions[old] = None  # never served again: memory stays flat

@@ -116,6 +116,25 @@ def policy_shift(parent_logp: torch.Tensor, logp: torch.Tensor, mask: torch.Tens
     return {"kl_from_parent": kl[mask].mean().item(), "entropy": entropy[mask].mean().item()}
 
 
+def adapted_lr(lr: float, kl: float, target_kl: float, lr_min: float, lr_max: float,
+               factor: float = 1.5) -> float:
+    """The next version's learning rate from how far this one moved from its parent: PPO's
+    adaptive KL rule (Schulman et al. 2017, sec. 4, there for the penalty's weight) applied
+    to the step size, as rl_games' "adaptive" schedule does:
+
+        lr / 1.5   if KL > 2 * target       (the step ran further than meant: smaller)
+        lr * 1.5   if KL < target / 2       (it barely moved: larger)
+        lr         otherwise
+
+    kept within [lr_min, lr_max]. Early, when every direction pays, versions take the step
+    the target allows; when one overshoots, the next ones take less."""
+    if kl > 2 * target_kl:
+        lr /= factor
+    elif kl < target_kl / 2:
+        lr *= factor
+    return min(max(lr, lr_min), lr_max)
+
+
 def advantage_stats(advantages: torch.Tensor) -> dict[str, float]:
     """What a batch's advantages look like: a std near 0 or most of them 0 means the
     batch teaches little (groups whose rewards are all equal); a large max, that a few

@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from learner import router_replay
 from learner.rl import (
     RunningBaseline,
+    adapted_lr,
     advantage_stats,
     entropy_bonus,
     group_advantages,
@@ -151,8 +152,20 @@ class Trainer:
                 raise ValueError(f"{state}: its optimizer state was saved for other trained tensors "
                                  f"(was LIVERL_LEARNER__FROZEN_PARAMETERS changed?): {error}") from error
             self.baseline.means = saved["baseline"]
+            # Adam's saved state carries the lr it last used: a fixed lr is the setting's (so a
+            # changed setting takes effect), an adapted one goes on from where it was.
+            self.lr = config.lr if config.target_kl is None else min(max(self.lr, config.lr_min), config.lr_max)
         self.arch = Architecture.of(self.model.config)
         self.layers, self.top_k = self.arch.layers, self.arch.top_k
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = value
 
     def advantages(self, samples: list[RewardedSample]) -> torch.Tensor:
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
@@ -251,8 +264,13 @@ class Trainer:
         rewards = [s.reward for s in samples]
         shift = {} if watched is None else policy_shift(parent_watch, self.vocabulary(watched),
                                                         watched.completion_mask)
+        lr = self.lr
+        if self.config.target_kl is not None and "kl_from_parent" in shift:
+            self.lr = adapted_lr(lr, shift["kl_from_parent"], self.config.target_kl,
+                                 self.config.lr_min, self.config.lr_max)
         return {
             "samples": len(samples),
+            "lr": lr,
             "tokens": int(diffs.numel()),
             "mean_reward": sum(rewards) / len(rewards),
             **{k: sum(v) / len(v) for k, v in stats.items() if v},

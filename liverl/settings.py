@@ -265,6 +265,10 @@ class LearnerConfig(Config):
         if self.min_samples > self.batch_samples:
             raise ValueError(f"LIVERL_LEARNER__MIN_SAMPLES ({self.min_samples}) must not exceed "
                              f"LIVERL_LEARNER__BATCH_SAMPLES ({self.batch_samples})")
+        if self.target_kl is not None and not self.lr_min <= self.lr <= self.lr_max:
+            raise ValueError(f"LIVERL_LEARNER__LR ({self.lr}) must lie within LIVERL_LEARNER__LR_MIN "
+                             f"({self.lr_min}) and LIVERL_LEARNER__LR_MAX ({self.lr_max}) when "
+                             f"LIVERL_LEARNER__TARGET_KL is set")
         return self
 
     enabled: bool = Field(True, description="Start the learner with the stack.")
@@ -300,7 +304,14 @@ class LearnerConfig(Config):
     baseline_by: Literal["tenant", "prompt_end"] = Field(
         "tenant", description="What a lone completion's running reward baseline is kept per: its tenant, or "
         "its tenant and its prompt's last two tokens (a crude value of the kind of prompt it answers).")
-    lr: float = Field(1e-5, gt=0.0, le=1.0, description="Adam learning rate on the fp32 master weights.")
+    lr: float = Field(1e-5, gt=0.0, le=1.0, description="Adam learning rate on the fp32 master weights "
+                      "(with target_kl: the first version's).")
+    target_kl: float | None = Field(None, gt=0.0, description="Adaptive step size: after each version the lr "
+                                    "is multiplied by 1.5 when its KL from its parent was under half this, "
+                                    "divided by 1.5 when over twice this (`learner/rl.py: adapted_lr`); "
+                                    "None: the lr stays fixed.")
+    lr_min: float = Field(1e-5, gt=0.0, le=1.0, description="Smallest lr the adaptive step size goes to.")
+    lr_max: float = Field(1e-3, gt=0.0, le=1.0, description="Largest lr the adaptive step size goes to.")
     frozen_parameters: list[str] = Field(
         default_factory=list, description="Weights kept as the starter has them: those whose names contain "
         "any of these (e.g. embed_tokens, lm_head: the update then changes how the policy uses each token, "
@@ -342,6 +353,10 @@ class PromotionConfig(Config):
     poll_s: float = Field(1.0, gt=0, description="How often the controller looks at the registry and the figures.")
     false_abort_rate: float = Field(0.05, gt=0, lt=0.5, description="Level of the always-valid test: the chance "
                                     "of ever calling a canary no worse than stable worse.")
+    false_promotion_rate: float = Field(0.05, gt=0, lt=0.5, description="Level of the one-sided always-valid "
+                                        "lower bound a canary clears to be promoted: the chance of ever promoting "
+                                        "one more than the margin worse on a metric (each metric at this level: "
+                                        "promotion needs them all).")
     mixture_sd: float = Field(0.1, gt=0, description="Spread of the mSPRT's normal mixture over the difference: "
                               "about the smallest difference worth detecting quickly.")
     margin: Fraction = Field(0.05, description="Non-inferiority margin on the accept rate: a canary whose "

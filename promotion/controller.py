@@ -408,14 +408,17 @@ class Controller:
         return newer[-1] if newer else None
 
     def compare(self, figures: Figures, stable: str, canary: str) -> list[Comparison]:
-        """Accept rate where there are accept-like verdicts, and mean reward; the level is
-        split between them (Bonferroni), so the guard's false-abort rate stays its own."""
+        """Accept rate where there are accept-like verdicts, and mean reward. An abort needs
+        one metric worse, so its level is split between them (Bonferroni) and the guard's
+        false-abort rate stays its own; promotion needs every metric non-inferior, so each
+        is tested at the whole promotion level (an intersection-union test needs no split)."""
         c = self.config
         metrics = [("reward", figures.reward, c.reward_margin)]
         if figures.accept.get(stable, Arm()).n or figures.accept.get(canary, Arm()).n:
             metrics.insert(0, ("accept_rate", figures.accept, c.margin))
         return [compare(name, arms.get(stable, Arm()), arms.get(canary, Arm()), alpha=c.false_abort_rate / len(metrics),
-                        tau=c.mixture_sd, margin=margin, min_samples=c.min_samples)
+                        promotion_alpha=c.false_promotion_rate, tau=c.mixture_sd, margin=margin,
+                        min_samples=c.min_samples)
                 for name, arms, margin in metrics]
 
     def compare_tenants(self, figures: Figures, stable: str, canary: str) -> list[Comparison]:
@@ -429,7 +432,8 @@ class Controller:
             return []
         return [compare(f"accept_rate[{tenant}]", figures.tenant_accept[tenant][stable],
                         figures.tenant_accept[tenant][canary], alpha=c.false_abort_rate / len(eligible),
-                        tau=c.mixture_sd, margin=c.margin, min_samples=c.tenant_min_samples)
+                        promotion_alpha=c.false_promotion_rate, tau=c.mixture_sd, margin=c.margin,
+                        min_samples=c.tenant_min_samples)
                 for tenant in eligible]
 
     # --- the slide guard -----------------------------------------------------------------------

@@ -16,6 +16,17 @@ an interval that holds at every look at once:
 
 V uses each arm's variance shrunk toward `prior_var` by two pseudo-observations, so an
 arm whose first outcomes are all equal does not look certain.
+
+Promotion asks a one-sided question (is the canary above -margin?), so its bound comes
+from the one-sided mixture, over theta > theta0 only (Howard, Ramdas, McAuliffe & Sekhon,
+"Time-uniform, nonparametric, nonasymptotic confidence sequences", Ann. Statist. 2021):
+
+    Lambda+(theta0) = 2 sqrt(V / (V + tau^2)) * exp(tau^2 u^2 / (2 V (V + tau^2)))
+                      * Phi(u tau / sqrt(V (V + tau^2))),        u = d - theta0
+
+and the lower bound d - u* where Lambda+ reaches 1/alpha, about the two-sided half-width at
+2 alpha. The upper bound an abort needs stays the two-sided one: its one-sided form let
+5.3% of simulated null runs be called worse at alpha 5% (docs/learning.md).
 """
 
 from __future__ import annotations
@@ -66,22 +77,43 @@ def half_width(v: float, alpha: float, tau: float) -> float:
     return math.sqrt(2 * v * (v + t2) / t2 * math.log(math.sqrt((v + t2) / v) / alpha))
 
 
-def samples_to_clear(room: float, v: float, n: int, *, alpha: float, tau: float) -> int | None:
+def lower_distance(v: float, alpha: float, tau: float) -> float:
+    """u*, the distance from d down to the one-sided mixture's lower bound (above): the
+    root of log Lambda+(u) = log(1 / alpha), found by bisection (Lambda+ grows with u)."""
+    t2 = tau * tau
+    s = v + t2
+
+    def log_lambda(u: float) -> float:
+        phi = 0.5 * math.erfc(-u * tau / math.sqrt(2 * v * s))
+        return math.log(2) + 0.5 * math.log(v / s) + t2 * u * u / (2 * v * s) + math.log(max(phi, 1e-300))
+
+    target, low, high = math.log(1 / alpha), 0.0, half_width(v, alpha, tau)
+    while log_lambda(high) < target:
+        low, high = high, 2 * high
+    for _ in range(50):
+        middle = (low + high) / 2
+        low, high = (middle, high) if log_lambda(middle) < target else (low, middle)
+    return high
+
+
+def samples_to_clear(room: float, v: float, n: int, *, alpha: float, tau: float,
+                     width=half_width) -> int | None:
     """About how many canary outcomes the interval needs before its half-width is below
     `room`, both arms growing in proportion (V shrinks as 1/n from `v` at `n`); None if
     `room` is not positive. With the difference held where it is, room d + margin gives
-    the outcomes to a non-inferior verdict, room -d those to a worse one. A projection
+    the outcomes to a non-inferior verdict (`width` lower_distance), room -d those to a
+    worse one (half_width). A projection
     for giving way to a newer candidate (futility, as in group-sequential trials), never
     a verdict: it decides nothing about the canary."""
     if room <= 0 or n == 0:
         return None
     low, high = n, n
-    while half_width(v * n / high, alpha, tau) >= room:
+    while width(v * n / high, alpha, tau) >= room:
         low, high = high, high * 2
-    while high - low > 1:  # the half-width shrinks as n grows: bisect for the first n that clears
+    while high - low > 1:  # the width shrinks as n grows: bisect for the first n that clears
         middle = (low + high) // 2
-        low, high = (middle, high) if half_width(v * n / middle, alpha, tau) >= room else (low, middle)
-    return high if half_width(v * n / low, alpha, tau) >= room else low
+        low, high = (middle, high) if width(v * n / middle, alpha, tau) >= room else (low, middle)
+    return high if width(v * n / low, alpha, tau) >= room else low
 
 
 Decision = Literal["continue", "worse", "non_inferior", "inconclusive"]
@@ -97,8 +129,10 @@ class Comparison(BaseModel):
     canary_mean: float
     stable_mean: float
     difference: float = Field(description="canary - stable")
-    low: float = Field(description="Always-valid lower bound of the difference.")
-    high: float = Field(description="Always-valid upper bound of the difference.")
+    low: float = Field(description="Always-valid one-sided lower bound of the difference (what promotion "
+                       "clears).")
+    high: float = Field(description="Always-valid upper bound of the difference (the two-sided sequence's: "
+                        "what an abort falls below).")
     to_non_inferior: int | None = Field(None, description="Canary outcomes at which, the difference held where "
                                         "it is, the interval would clear -margin (None: never).")
     to_worse: int | None = Field(None, description="Canary outcomes at which, the difference held where it is, "
@@ -106,15 +140,19 @@ class Comparison(BaseModel):
 
 
 def compare(metric: str, stable: Arm, canary: Arm, *, alpha: float, tau: float, margin: float,
-            min_samples: int, prior_var: float = 0.25) -> Comparison:
-    """Clearly worse when the whole interval is below 0; non-inferior when it is above
-    -margin; otherwise keep looking. `min_samples` per arm before any verdict: the normal
-    approximation needs a few dozen outcomes."""
-    d, low, high = confidence_sequence(stable, canary, alpha, tau, prior_var)
-    projected: dict[str, int | None] = {}
+            min_samples: int, promotion_alpha: float | None = None, prior_var: float = 0.25) -> Comparison:
+    """Clearly worse when the two-sided 1 - alpha interval is below 0; non-inferior when the
+    one-sided 1 - promotion_alpha lower bound (default alpha) is above -margin; otherwise
+    keep looking. `min_samples` per arm before any verdict: the normal approximation needs
+    a few dozen outcomes."""
+    promotion_alpha = alpha if promotion_alpha is None else promotion_alpha
+    d, _, high = confidence_sequence(stable, canary, alpha, tau, prior_var)
+    low, projected = -math.inf, {}
     if stable.n and canary.n:
         v = difference_variance(stable, canary, prior_var)
-        projected = {"to_non_inferior": samples_to_clear(d + margin, v, canary.n, alpha=alpha, tau=tau),
+        low = d - lower_distance(v, promotion_alpha, tau)
+        projected = {"to_non_inferior": samples_to_clear(d + margin, v, canary.n, alpha=promotion_alpha, tau=tau,
+                                                         width=lower_distance),
                      "to_worse": samples_to_clear(-d, v, canary.n, alpha=alpha, tau=tau)}
     decision: Decision = "continue"
     if min(stable.n, canary.n) >= min_samples:

@@ -78,3 +78,23 @@ def test_frozen_embeddings_stay_as_the_starter_has_them_while_the_rest_learns(st
         Trainer(starter_dir, LearnerConfig(), tmp_path / "v1.pt")
     with pytest.raises(ValueError, match="lm_heads"):
         Trainer(starter_dir, LearnerConfig(frozen_parameters=["lm_heads"]))
+
+
+def test_the_adaptive_step_size_follows_the_kl_and_resumes_where_it_was(starter_dir: Path, tmp_path: Path):
+    """With `target_kl`, a version that barely moved makes the next one's step larger and
+    one that ran far makes it smaller; the lr reached is saved with the optimizer state
+    and resumed from it (a rewind to stable resumes stable's). Without it the lr is the
+    setting's, also when a state saved under another lr is resumed."""
+    samples = sampled(starter_dir, count=6)
+    config = LearnerConfig(minibatch=3, lr=3e-4, target_kl=1e-9)  # every version moves more: the step shrinks
+    trainer = Trainer(starter_dir, config)
+    first = trainer.train(samples)
+    assert first["lr"] == 3e-4 and trainer.lr == pytest.approx(2e-4)
+    trainer.save_state(tmp_path / "v1.pt")
+    assert Trainer(starter_dir, config, tmp_path / "v1.pt").lr == pytest.approx(2e-4)
+    assert Trainer(starter_dir, LearnerConfig(minibatch=3, lr=5e-5), tmp_path / "v1.pt").lr == 5e-5
+    growing = Trainer(starter_dir, config.model_copy(update={"target_kl": 1e3}))  # it barely moves: larger
+    growing.train(samples)
+    assert growing.lr == pytest.approx(4.5e-4)
+    with pytest.raises(ValueError, match="LR_MAX"):
+        LearnerConfig(lr=2e-3, target_kl=0.01)

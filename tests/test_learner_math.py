@@ -11,6 +11,7 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from learner import router_replay
 from learner.rl import (
     RunningBaseline,
+    adapted_lr,
     advantage_stats,
     cispo_surrogate,
     clipped_surrogate,
@@ -36,6 +37,17 @@ def tiny_moe(seed: int = 0) -> Qwen3MoeForCausalLM:
         torch.nn.init.normal_(router.weight, std=1.0)  # routers start at zero: give them opinions
     router_replay.install(model)
     return model
+
+
+def test_the_adaptive_step_size_by_hand():
+    """PPO's adaptive rule on the lr: a version that moved more than twice the target KL
+    makes the next step 1.5 times smaller, one under half of it 1.5 times larger, and
+    in between the step stays; never outside [lr_min, lr_max]."""
+    assert adapted_lr(3e-4, kl=0.05, target_kl=0.02, lr_min=1e-5, lr_max=1e-3) == pytest.approx(2e-4)
+    assert adapted_lr(3e-4, kl=0.005, target_kl=0.02, lr_min=1e-5, lr_max=1e-3) == pytest.approx(4.5e-4)
+    assert adapted_lr(3e-4, kl=0.02, target_kl=0.02, lr_min=1e-5, lr_max=1e-3) == 3e-4
+    assert adapted_lr(8e-4, kl=0.0, target_kl=0.02, lr_min=1e-5, lr_max=1e-3) == 1e-3
+    assert adapted_lr(1.2e-5, kl=1.0, target_kl=0.02, lr_min=1e-5, lr_max=1e-3) == 1e-5
 
 
 def test_truncated_and_masked_importance_weights():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from promotion.sequential import Arm, compare, confidence_sequence
+from promotion.sequential import Arm, compare, confidence_sequence, half_width, lower_distance
 
 ALPHA, TAU, MIN_SAMPLES = 0.05, 0.1, 50
 
@@ -61,6 +61,32 @@ def test_interval_by_hand():
     few = compare("accept_rate", arm([1] * 10), arm([0] * 10), alpha=0.05, tau=0.1, margin=0.05,
                   min_samples=50)
     assert few.decision == "continue"  # too few for the normal approximation
+
+
+def test_the_one_sided_lower_bound_by_hand():
+    """The promotion bound is where the one-sided mixture martingale reaches 1/alpha; it
+    is narrower than the two-sided interval at the same level, and about the two-sided one
+    at twice the level (one tail instead of two)."""
+    from math import erfc, exp, sqrt
+    v, alpha, tau = 0.5 / 100, 0.05, 0.1
+    u = lower_distance(v, alpha, tau)
+    s = v + tau * tau
+    martingale = 2 * sqrt(v / s) * exp(tau * tau * u * u / (2 * v * s)) * 0.5 * erfc(-u * tau / sqrt(2 * v * s))
+    assert martingale == pytest.approx(1 / alpha, rel=1e-6)
+    assert u < half_width(v, alpha, tau) and u == pytest.approx(half_width(v, 2 * alpha, tau), rel=0.01)
+    a, b = arm([1] * 50 + [0] * 50), arm([1] * 60 + [0] * 40)
+    look = compare("accept_rate", a, b, alpha=0.05, tau=0.1, margin=0.05, min_samples=50)
+    d, low, high = confidence_sequence(a, b, alpha=0.05, tau=0.1)
+    assert look.high == pytest.approx(high) and low < look.low < d
+
+
+def test_a_canary_at_the_margin_is_promoted_at_most_at_the_promotion_rate():
+    """A canary exactly `margin` worse than stable, looked at 200 times per run: the share
+    of runs that ever promote it stays within the level of the one-sided bound."""
+    rng = np.random.default_rng(3)
+    verdicts = [looks(rng, 0.5, 0.45, 0.5, seeds=100, per_look=20, looks_=200) for _ in range(3)]
+    promoted = sum(v.count("non_inferior") for v in verdicts)
+    assert promoted / 300 <= ALPHA
 
 
 def test_a_quiet_period_is_counted_from_the_last_answer():

@@ -59,9 +59,9 @@ def test_bounds_and_cross_field_rules():
 
 
 def test_demo_defaults_yield_to_the_environment(monkeypatch):
-    monkeypatch.setenv("LIVERL_LEARNER__LR", "0.001")
+    monkeypatch.setenv("LIVERL_LEARNER__LR", "0.0005")
     settings = demo_settings()
-    assert settings.learner.lr == 0.001  # the variable wins over the demo's 3e-4
+    assert settings.learner.lr == 0.0005  # the variable wins over the demo's 6e-4
     assert settings.learner.batch_samples == 96  # the demo's own default
     assert settings.data_dir.name == "demo"
     monkeypatch.setenv("LIVERL_LEARNER__BATCH_SAMPLES", "4")  # fewer than min_samples (8)
