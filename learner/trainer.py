@@ -125,10 +125,11 @@ class Trainer:
         router_replay.install(self.model)
         self.rank, self.world = data_parallel()
         if self.world > 1:
-            if state is not None or config.kl_coef > 0 or config.objective != "reinforce":
+            if (state is not None or config.kl_coef > 0 or config.objective != "reinforce"
+                    or config.target_kl is not None):
                 raise ValueError("under torchrun the learner starts from a published version "
                                  "(no saved optimizer state), without a KL reference or a proximal "
-                                 "policy (objective reinforce)")
+                                 "policy (objective reinforce), at a fixed lr (no target_kl)")
             # FSDP2: each decoder layer's weights, grads and Adam state are split over
             # the ranks and gathered only for that layer's forward and backward.
             for layer in self.model.model.layers:

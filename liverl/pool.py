@@ -9,6 +9,7 @@ the promotion controller and the CLI all read it, so it lives here, in the share
 from __future__ import annotations
 
 import fcntl
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -95,6 +96,43 @@ def replica_lock(settings: Settings, name: str) -> Iterator[None]:
     hold it (what they decided on may have changed while they waited)."""
     with exclusive(settings.run_dir / "locks" / f"{name}.lock"):
         yield
+
+
+_promotion = threading.RLock()  # the threads of one process; the file lock, the processes
+_promotion_depth = threading.local()
+
+
+@contextmanager
+def promotion_lock(settings: Settings, wait: bool = True) -> Iterator[bool]:
+    """One change of what stable or a canary is at a time, across threads and processes
+    (the controller's loop, its admin API, a CLI or a test with a Promoter): a rollback's
+    first pass puts replicas on the restored version before the registry names it, and an
+    idle controller looking then would put them back. Reentrant in a thread (a finish that
+    aborts); with `wait=False` yields False at once if another holds it."""
+    if not _promotion.acquire(blocking=wait):
+        yield False
+        return
+    handle = None
+    try:
+        depth = getattr(_promotion_depth, "value", 0)
+        if depth == 0:
+            path = settings.run_dir / "locks" / "promotion.lock"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            handle = open(path, "a")
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+            except BlockingIOError:
+                yield False
+                return
+        _promotion_depth.value = depth + 1
+        try:
+            yield True
+        finally:
+            _promotion_depth.value = depth
+    finally:
+        if handle is not None:
+            handle.close()  # releases the file lock
+        _promotion.release()
 
 
 def write_pool(settings: Settings, pool: Pool) -> None:

@@ -41,7 +41,7 @@ from liverl.contracts import AliasName, VersionName
 from liverl.keys import KeyRecord, KeyStore, admin_headers
 from liverl.load import read_gateway_load
 from liverl.observability import log, mount_metrics, setup_logging
-from liverl.pool import read_pool
+from liverl.pool import promotion_lock, read_pool
 from liverl.process import serve_beside
 from liverl.settings import Settings, get_settings
 from policies.importer import import_version
@@ -393,13 +393,16 @@ class Controller:
 
     def serve_stable_everywhere(self) -> None:
         """With no canary, every production replica serves stable: catches a replica left
-        for a next canary that did not start (or by a controller killed in between)."""
-        stable = self.registry.stable()
-        if stable is None or self.registry.in_state("canary"):
-            return
-        if any(r.alias is None and r.policy_version != stable.version for r in read_pool(self.settings).general):
-            if failed := [r for r in self.promoter.serve_everywhere(stable.version) if not r.ok]:
-                log(logger, "could not put stable on every replica", version=stable.version, error=failed[0].error)
+        for a next canary that did not start (or by a controller killed in between). Not
+        while another promotion or rollback is under way (it would undo its first pass)."""
+        with promotion_lock(self.settings, wait=False) as held:
+            stable = self.registry.stable()
+            if not held or stable is None or self.registry.in_state("canary"):
+                return
+            if any(r.alias is None and r.policy_version != stable.version for r in read_pool(self.settings).general):
+                if failed := [r for r in self.promoter.serve_everywhere(stable.version) if not r.ok]:
+                    log(logger, "could not put stable on every replica", version=stable.version,
+                        error=failed[0].error)
 
     def newer_candidate(self, canary: PolicyVersion) -> PolicyVersion | None:
         """The newest candidate after `canary` that passed the offline gate, if any."""

@@ -8,13 +8,14 @@ automatic promotion with its live canary guard, on-call through `liverl policy`.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from liverl.contracts import PolicyVersionEvent, Topics
 from liverl.kafka import encode, produce_sync
 from liverl.observability import log, setup_logging
-from liverl.pool import read_pool, replica_lock, set_aliases
+from liverl.pool import promotion_lock, read_pool, replica_lock, set_aliases
 from liverl.settings import Settings
 from policies.registry import REJECTED, AliasMove, PolicyVersion, Registry, State
 
@@ -22,6 +23,15 @@ if TYPE_CHECKING:
     from serving.swap import SwapReport
 
 logger = setup_logging("promotion")
+
+
+def one_change_at_a_time(method):
+    """The method holds the promotion lock (`liverl.pool.promotion_lock`) throughout."""
+    @functools.wraps(method)
+    def locked(self: Promoter, *args, **kwargs):
+        with promotion_lock(self.settings):
+            return method(self, *args, **kwargs)
+    return locked
 
 
 class Promoter:
@@ -51,6 +61,7 @@ class Promoter:
                              "promote a newer version")
         return model_dir
 
+    @one_change_at_a_time
     def start_canary(self, version: str, actor: str, reason: str) -> PolicyVersion:
         """The version on one replica (verified), beside stable on the others. A replica
         that fails verification is back on its old weights and the version rolled back."""
@@ -85,6 +96,7 @@ class Promoter:
         set_aliases(self.settings, **{alias: version})
         return move
 
+    @one_change_at_a_time
     def finish(self, version: str, actor: str, reason: str, leave_one: bool = False) -> PolicyVersion:
         """From canary to every replica; the previous stable is superseded. `leave_one`: one
         replica still on the previous stable is left for the next canary, which the caller
@@ -102,6 +114,7 @@ class Promoter:
             self.transition(previous.version, "superseded", actor, f"replaced by {version}")
         return self.transition(version, "stable", actor, reason)
 
+    @one_change_at_a_time
     def serve_everywhere(self, version: str, leave_one: bool = False) -> list[SwapReport]:
         """`version` on every production replica (but one, `leave_one`) and named stable;
         the reports of its swaps.
@@ -117,6 +130,7 @@ class Promoter:
         set_aliases(self.settings, stable=version, canary=None)
         return reports + roll_out(self.settings, version, self.weights(version), leave_one)
 
+    @one_change_at_a_time
     def promote(self, version: str, actor: str, reason: str = "offline gate passed") -> PolicyVersion:
         """Canary then stable, without waiting for live feedback in between."""
         canary = self.start_canary(version, actor, f"{reason}; rolling out canary first")
@@ -124,6 +138,7 @@ class Promoter:
             return canary
         return self.finish(version, actor, "every replica verified")
 
+    @one_change_at_a_time
     def abort(self, version: str, actor: str, reason: str, state: State = "aborted") -> PolicyVersion:
         """Every replica serving `version` goes back to stable (verified); the version
         leaves canary for `state`. Aborted for its quality, the learner is asked to
@@ -142,6 +157,7 @@ class Promoter:
             self.registry.request_rewind(stable.version, actor, f"{version} aborted: {reason}")
         return self.transition(version, state, actor, reason)
 
+    @one_change_at_a_time
     def rollback(self, actor: str, reason: str, to: str | None = None) -> PolicyVersion:
         """Take the stable version out: `to` (default: the version stable before it)
         serves again on every replica, verified, and the learner continues from it."""

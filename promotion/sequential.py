@@ -26,7 +26,7 @@ from the one-sided mixture, over theta > theta0 only (Howard, Ramdas, McAuliffe 
 
 and the lower bound d - u* where Lambda+ reaches 1/alpha, about the two-sided half-width at
 2 alpha. The upper bound an abort needs stays the two-sided one: its one-sided form let
-5.3% of simulated null runs be called worse at alpha 5% (docs/learning.md).
+more simulated null runs than alpha be called worse (docs/learning.md).
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def lower_distance(v: float, alpha: float, tau: float) -> float:
         phi = 0.5 * math.erfc(-u * tau / math.sqrt(2 * v * s))
         return math.log(2) + 0.5 * math.log(v / s) + t2 * u * u / (2 * v * s) + math.log(max(phi, 1e-300))
 
-    target, low, high = math.log(1 / alpha), 0.0, half_width(v, alpha, tau)
+    target, low, high = math.log(1 / alpha), 0.0, math.sqrt(v)
     while log_lambda(high) < target:
         low, high = high, 2 * high
     for _ in range(50):

@@ -139,3 +139,26 @@ def test_an_undecided_canary_gives_way_to_a_newer_candidate_once_it_would_stay_u
     controller.step()
     assert registry.get("v1").state == ("superseded" if gives_way else "canary")
     assert swaps == [("r0", "v1")] + ([("r0", "v2")] if gives_way else [])
+
+
+def test_an_idle_controller_does_not_undo_a_rollback_another_process_is_making(monkeypatch, guarded):
+    # On-call rolls v1 back to v0 from another process: its first pass has put r0 on v0
+    # while the registry still names v1 stable. The controller's idle look must wait for
+    # it (the promotion lock), not swap r0 back to v1.
+    import fcntl
+
+    settings, registry, controller, rates = guarded
+    swaps = fake_swaps(monkeypatch, settings)
+    publish(registry, settings.data_dir)
+    registry.transition("v1", "canary", "test", "gate passed")
+    registry.transition("v0", "superseded", "test", "replaced by v1")
+    registry.transition("v1", "stable", "test", "non-inferior")
+    write_pool(settings, Pool(replicas=[
+        Replica(name="r0", url="http://127.0.0.1:1", policy_version="v0", model_dir="/m"),
+        Replica(name="r1", url="http://127.0.0.1:1", policy_version="v1", model_dir="/m")], aliases={"stable": "v1"}))
+    lock = settings.run_dir / "locks" / "promotion.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "a") as other_process:
+        fcntl.flock(other_process, fcntl.LOCK_EX)
+        controller.step()
+        assert swaps == []
