@@ -86,18 +86,23 @@ def test_the_replica_left_for_a_canary_that_does_not_start_gets_stable(monkeypat
     assert versions(settings) == {"r0": ("v1", None, True), "r1": ("v1", None, True), "stable": "v1"}
 
 
-def test_an_idle_controller_puts_stable_on_a_replica_left_behind(monkeypatch, guarded):
-    # Killed between naming a new stable and starting the next canary, a controller
-    # restarts with a replica still on the old stable and no candidate to give it.
-    settings, registry, controller, rates = guarded
-    swaps = fake_swaps(monkeypatch, settings)
+def v1_stable_on(settings: Settings, registry: Registry, r0: str, r1: str) -> None:
+    """v1 promoted over v0 in the registry, replicas r0 and r1 on the versions given."""
     publish(registry, settings.data_dir)
     registry.transition("v1", "canary", "test", "gate passed")
     registry.transition("v0", "superseded", "test", "replaced by v1")
     registry.transition("v1", "stable", "test", "non-inferior")
     write_pool(settings, Pool(replicas=[
-        Replica(name="r0", url="http://127.0.0.1:1", policy_version="v1", model_dir="/m"),
-        Replica(name="r1", url="http://127.0.0.1:1", policy_version="v0", model_dir="/m")], aliases={"stable": "v1"}))
+        Replica(name="r0", url="http://127.0.0.1:1", policy_version=r0, model_dir="/m"),
+        Replica(name="r1", url="http://127.0.0.1:1", policy_version=r1, model_dir="/m")], aliases={"stable": "v1"}))
+
+
+def test_an_idle_controller_puts_stable_on_a_replica_left_behind(monkeypatch, guarded):
+    # Killed between naming a new stable and starting the next canary, a controller
+    # restarts with a replica still on the old stable and no candidate to give it.
+    settings, registry, controller, rates = guarded
+    swaps = fake_swaps(monkeypatch, settings)
+    v1_stable_on(settings, registry, "v1", "v0")
     controller.step()
     assert swaps == [("r1", "v1")]
     controller.step()  # nothing left to do: no swap
@@ -149,13 +154,7 @@ def test_an_idle_controller_does_not_undo_a_rollback_another_process_is_making(m
 
     settings, registry, controller, rates = guarded
     swaps = fake_swaps(monkeypatch, settings)
-    publish(registry, settings.data_dir)
-    registry.transition("v1", "canary", "test", "gate passed")
-    registry.transition("v0", "superseded", "test", "replaced by v1")
-    registry.transition("v1", "stable", "test", "non-inferior")
-    write_pool(settings, Pool(replicas=[
-        Replica(name="r0", url="http://127.0.0.1:1", policy_version="v0", model_dir="/m"),
-        Replica(name="r1", url="http://127.0.0.1:1", policy_version="v1", model_dir="/m")], aliases={"stable": "v1"}))
+    v1_stable_on(settings, registry, "v0", "v1")
     lock = settings.run_dir / "locks" / "promotion.lock"
     lock.parent.mkdir(parents=True, exist_ok=True)
     with open(lock, "a") as other_process:
