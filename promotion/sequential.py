@@ -32,6 +32,7 @@ more simulated null runs than alpha be called worse (docs/learning.md).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Literal
 
 from pydantic import BaseModel, Field
@@ -97,14 +98,14 @@ def lower_distance(v: float, alpha: float, tau: float) -> float:
 
 
 def samples_to_clear(room: float, v: float, n: int, *, alpha: float, tau: float,
-                     width=half_width) -> int | None:
-    """About how many canary outcomes the interval needs before its half-width is below
-    `room`, both arms growing in proportion (V shrinks as 1/n from `v` at `n`); None if
-    `room` is not positive. With the difference held where it is, room d + margin gives
-    the outcomes to a non-inferior verdict (`width` lower_distance), room -d those to a
-    worse one (half_width). A projection
-    for giving way to a newer candidate (futility, as in group-sequential trials), never
-    a verdict: it decides nothing about the canary."""
+                     width: Callable[[float, float, float], float] = half_width) -> int | None:
+    """About how many canary outcomes the interval needs before its `width` (from d to a
+    bound) is below `room`, both arms growing in proportion (V shrinks as 1/n from `v` at
+    `n`); None if `room` is not positive. With the difference held where it is, room
+    d + margin with `lower_distance` gives the outcomes to a non-inferior verdict, room -d
+    with `half_width` those to a worse one. A projection for giving way to a newer
+    candidate (futility, as in group-sequential trials), never a verdict: it decides
+    nothing about the canary."""
     if room <= 0 or n == 0:
         return None
     low, high = n, n
