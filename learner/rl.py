@@ -44,11 +44,16 @@ def version_minibatches(order: list[int], minibatch: int, max_steps: int) -> lis
     return [order[start : start + size] for start in range(0, len(order), size)]
 
 
-def group_advantages(rewards: torch.Tensor, group_ids: list[str]) -> torch.Tensor:
+def group_advantages(rewards: torch.Tensor, group_ids: list[str], scale_by_std: bool = True) -> torch.Tensor:
     """GRPO (Shao et al. 2024): reward minus its group's mean, over the group's std.
 
     Several completions of one prompt share a group; the group mean is a baseline that
     needs no value network. A group whose rewards are all equal teaches nothing (A = 0).
+
+    Without the std (`scale_by_std=False`: Dr. GRPO, Liu et al. 2025, "Understanding
+    R1-Zero-like training"): dividing by it weighs a group that is nearly all solved (one
+    failure in eight: A = -2.65 for it) as heavily as one split half and half, so once a
+    task is learned its rare failures keep pushing the policy as hard as the learning did.
     """
     advantages = torch.zeros_like(rewards)
     members: dict[str, list[int]] = defaultdict(list)
@@ -56,7 +61,8 @@ def group_advantages(rewards: torch.Tensor, group_ids: list[str]) -> torch.Tenso
         members[g].append(i)
     for idx in members.values():
         r = rewards[idx]
-        advantages[idx] = (r - r.mean()) / (r.std(unbiased=False) + 1e-6) if len(idx) > 1 else 0.0
+        if len(idx) > 1:
+            advantages[idx] = (r - r.mean()) / (r.std(unbiased=False) + 1e-6 if scale_by_std else 1.0)
     return advantages
 
 

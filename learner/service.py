@@ -336,6 +336,8 @@ class Learner:
         train = [s for s in batch if not held_out(s, self.config.holdout_fraction)]
         self.holdout = (self.holdout + [s for s in batch if held_out(s, self.config.holdout_fraction)])[-512:]
         parent_weights = self.trainer.snapshot()
+        if self.config.kl_coef > 0 and self.config.kl_reference == "stable":
+            self.trainer.use_reference(Path(self.registry.stable().model_dir))
         started = time.time()
         metrics = self.trainer.train(train or batch, seed=self.current.seq)
         metrics["train_seconds"] = time.time() - started

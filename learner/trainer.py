@@ -158,6 +158,14 @@ class Trainer:
             self.lr = config.lr if config.target_kl is None else min(max(self.lr, config.lr_min), config.lr_max)
         self.arch = Architecture.of(self.model.config)
         self.layers, self.top_k = self.arch.layers, self.arch.top_k
+        self.reference: dict[str, torch.Tensor] | None = None  # kl_reference=stable: its weights
+        self.reference_dir: Path | None = None
+
+    def use_reference(self, model_dir: Path) -> None:
+        """The stable version's weights as the KL's reference (`kl_reference=stable`)."""
+        if model_dir != self.reference_dir:
+            reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+            self.reference, self.reference_dir = reference.state_dict(), model_dir
 
     @property
     def lr(self) -> float:
@@ -173,7 +181,8 @@ class Trainer:
         # A group id is the tenant's own name: two tenants' groups never share a baseline.
         grouped = [f"{s.tenant}:{s.trajectory.group_id}" if s.trajectory.group_id else None for s in samples]
         lone = [i for i, g in enumerate(grouped) if g is None]
-        advantages = group_advantages(rewards, [g or f"lone-{i}" for i, g in enumerate(grouped)])
+        advantages = group_advantages(rewards, [g or f"lone-{i}" for i, g in enumerate(grouped)],
+                                      scale_by_std=self.config.group_advantage == "grpo")
         if lone:
             keys = [self.baseline_key(samples[i]) for i in lone]
             advantages[lone] = self.baseline.advantages(rewards[lone], keys)
@@ -198,9 +207,14 @@ class Trainer:
         abs_diff: list[torch.Tensor] = []
         mismatched, replayed_mismatched, routed = 0.0, 0.0, 0
         rng = random.Random(seed)
-        # The parent: the KL reference, and the proximal policy of a trust region around it.
+        # The parent: the proximal policy of a trust region around it, and the KL's reference
+        # unless that is stable (kept by the service: `use_reference`).
         around_parent = self.config.objective != "reinforce" and self.config.proximal == "parent"
-        parent = self.snapshot() if self.config.kl_coef > 0 or around_parent else None
+        to_parent = self.config.kl_coef > 0 and self.config.kl_reference == "parent"
+        parent = self.snapshot() if to_parent or around_parent else None
+        reference = parent if self.config.kl_reference == "parent" else self.reference
+        if self.config.kl_coef > 0 and reference is None:
+            raise ValueError("kl_reference=stable: no reference weights (Trainer.use_reference)")
         failed: dict[int, str] = {}  # sample index -> why it could not be trained on
         # The first minibatch's samples, to see how far the version moves from its parent.
         watched, parent_watch = self.watch(samples[: self.config.minibatch])
@@ -211,10 +225,13 @@ class Trainer:
             batch = collate([samples[i] for i in idx], self.tokenizer.pad_token_id, self.layers, self.top_k)
             routing = batch.routing if self.config.router_replay else None
             with router_replay.replay(self.model, routing):
-                parent_logp = None
-                if parent is not None:
-                    with torch.no_grad():
+                parent_logp = reference_logp = None
+                with torch.no_grad():
+                    if parent is not None:
                         parent_logp = token_logprobs(self.model, batch, parent)
+                    if self.config.kl_coef > 0:
+                        reference_logp = (parent_logp if reference is parent
+                                          else token_logprobs(self.model, batch, reference))
                 vocab_logp = vocabulary_logprobs(self.model, batch)  # last: the routing stats read this pass
                 logp = vocab_logp.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
             # A trajectory's advantage is credited to every one of its segments.
@@ -225,7 +242,7 @@ class Trainer:
                 proximal_logp=parent_logp if around_parent else batch.behaviour_logp,
                 clip_low=self.config.clip_low, clip_high=self.config.clip_high,
                 is_mode=self.config.is_mode, is_threshold=self.config.is_threshold,
-                reference_logp=parent_logp, kl_coef=self.config.kl_coef, normalizer=normalizer,
+                reference_logp=reference_logp, kl_coef=self.config.kl_coef, normalizer=normalizer,
             )
             if self.config.entropy_coef > 0:
                 loss = loss - self.config.entropy_coef * entropy_bonus(vocab_logp, batch.completion_mask, normalizer)

@@ -298,9 +298,15 @@ class LearnerConfig(Config):
                              "(DAPO's clip-higher; GSPO's sequence ratios want about 4e-4).")
     is_mode: Literal["tis", "mask"] = Field("tis", description="Truncated or masked importance sampling.")
     is_threshold: float = Field(2.0, ge=1.0, description="Truncation / mask threshold of pi/mu.")
-    kl_coef: float = Field(0.0, ge=0.0, description="Weight of KL(pi || parent) per token; 0 disables it.")
+    kl_coef: float = Field(0.0, ge=0.0, description="Weight of KL(pi || reference) per token; 0 disables it.")
+    kl_reference: Literal["parent", "stable"] = Field(
+        "parent", description="The KL's reference: each version's parent (a brake on each step), or the stable "
+        "version users get (GRPO's reference policy: an anchor to what was verified).")
     entropy_coef: float = Field(0.0, ge=0.0, description="Weight of the policy's entropy per token, "
                                 "subtracted from the loss (an exploration bonus); 0 disables it.")
+    group_advantage: Literal["grpo", "dr_grpo"] = Field(
+        "grpo", description="A grouped completion's advantage (`learner/rl.py: group_advantages`): its reward "
+        "minus its group's mean over the group's std (GRPO), or not divided (Dr. GRPO).")
     baseline_by: Literal["tenant", "prompt_end"] = Field(
         "tenant", description="What a lone completion's running reward baseline is kept per: its tenant, or "
         "its tenant and its prompt's last two tokens (a crude value of the kind of prompt it answers).")

@@ -9,7 +9,8 @@ import pytest
 import torch
 from test_distributed_learner import sampled
 
-from learner.trainer import Trainer
+from learner.rl import policy_shift
+from learner.trainer import Trainer, collate, vocabulary_logprobs
 from liverl.settings import LearnerConfig
 
 
@@ -98,3 +99,40 @@ def test_the_adaptive_step_size_follows_the_kl_and_resumes_where_it_was(starter_
     assert growing.lr == pytest.approx(4.5e-4)
     with pytest.raises(ValueError, match="LR_MAX"):
         LearnerConfig(lr=2e-3, target_kl=0.01)
+
+
+def test_a_kl_to_stable_pulls_a_drifted_policy_back_towards_it(starter_dir: Path, tmp_path: Path):
+    """`kl_reference=stable`: the KL is to the version users get, not to each parent. A
+    version trained away from the starter, then trained on samples that teach nothing (every
+    reward equal, so the advantages are 0), moves back towards the starter (its reference)
+    with a KL to stable, and not at all with a KL to its parent (which it equals)."""
+    samples = sampled(starter_dir, count=6)
+    drifted = Trainer(starter_dir, LearnerConfig(minibatch=3, lr=3e-3))
+    drifted.train(samples)
+    drifted.train(samples)
+    drifted.export(tmp_path / "drifted")  # a version: its weights, no optimizer state
+    flat = [s.model_copy(update={"reward": 1.0, "trajectory": s.trajectory.model_copy(update={"group_id": "g"})})
+            for s in samples]  # one group, all alike: every advantage is 0
+    starter = Trainer(starter_dir, LearnerConfig())
+    batch = collate(samples, starter.tokenizer.pad_token_id, starter.layers, starter.top_k)
+    with torch.no_grad():
+        starter_logp = vocabulary_logprobs(starter.model, batch)
+
+    def distance(trainer: Trainer) -> float:  # KL(starter || trainer) on the completions
+        with torch.no_grad():
+            return policy_shift(starter_logp, vocabulary_logprobs(trainer.model, batch),
+                                batch.completion_mask)["kl_from_parent"]
+
+    moved = {}
+    for reference in ("stable", "parent"):
+        trainer = Trainer(tmp_path / "drifted", LearnerConfig(minibatch=3, lr=1e-3, kl_coef=1.0,
+                                                              kl_reference=reference))
+        before = distance(trainer)
+        if reference == "stable":
+            with pytest.raises(ValueError, match="no reference weights"):
+                trainer.train(flat)
+            trainer.use_reference(starter_dir)
+        trainer.train(flat)
+        moved[reference] = distance(trainer) - before
+    assert moved["stable"] < 0
+    assert moved["parent"] == 0

@@ -67,6 +67,19 @@ def test_group_advantages_are_relative_within_groups():
     assert adv[4] == 0            # a lone completion has no group baseline
 
 
+def test_dr_grpo_does_not_blow_up_the_rare_failure_of_a_nearly_solved_group():
+    """One failure in eight, by hand: GRPO divides by the group's std (sqrt(7)/8), so the
+    failure gets -(7/8) / (sqrt(7)/8) = -sqrt(7), as large as any advantage of a group split
+    half and half (+-1); Dr. GRPO keeps the reward minus the mean: -7/8 and +1/8."""
+    rewards = torch.tensor([0.0] + [1.0] * 7 + [0.0] * 4 + [1.0] * 4)
+    groups = ["solved"] * 8 + ["split"] * 8
+    grpo = group_advantages(rewards, groups)
+    assert grpo[0].item() == pytest.approx(-7 ** 0.5, rel=1e-4) and grpo[8:].abs().max().item() == pytest.approx(1.0, rel=1e-4)
+    dr = group_advantages(rewards, groups, scale_by_std=False)
+    assert dr[0].item() == pytest.approx(-7 / 8) and dr[1].item() == pytest.approx(1 / 8)
+    assert dr[8:].tolist() == [-0.5] * 4 + [0.5] * 4
+
+
 def test_a_version_takes_a_bounded_number_of_steps_over_every_sample_once():
     small = version_minibatches(list(range(40)), minibatch=16, max_steps=6)
     assert [len(s) for s in small] == [16, 16, 8]  # the minibatch as set when it fits
