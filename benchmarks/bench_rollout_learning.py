@@ -36,7 +36,12 @@ console = Console()
 # Rollouts alone: lend at once, and keep the lent replica within a version or two of the
 # learner's head (a version every ~10 s; samples more than max_version_lag behind are dropped).
 # Every version's weights are kept (a few MB each), so the evaluation can spread over the run.
+# A fixed lr of 3e-4, the demo's before #12: with #12's adaptive step from 6e-4 the rollout
+# batches' KL stayed under the target, the lr went to its ceiling and the training groups'
+# reward never passed 0.79, where 3e-4 solved them in 91 s (docs/benchmarks.md, "Five more
+# runs on the AMD machine", runs 1 and 2).
 ROLLOUTS_ONLY = {"LIVERL_CAPACITY__LEND_AFTER_S": "2", "LIVERL_CAPACITY__REFRESH_S": "5",
+                 "LIVERL_LEARNER__LR": "3e-4", "LIVERL_LEARNER__TARGET_KL": "null",
                  "LIVERL_SYNC__KEEP_VERSIONS": "100000", "LIVERL_DATA_DIR": str(ROOT / ".liverl/bench-rollouts")}
 
 
