@@ -38,7 +38,7 @@ console = Console()
 # Every version's weights are kept (a few MB each), so the evaluation can spread over the run.
 # A fixed lr of 3e-4, the demo's before #12: with #12's adaptive step from 6e-4 the rollout
 # batches' KL stayed under the target, the lr went to its ceiling and the training groups'
-# reward never passed 0.79, where 3e-4 solved them in 91 s (docs/benchmarks.md, "Seven more
+# reward never passed 0.79, where 3e-4 solved them in 91 s (docs/benchmarks.md, "More
 # runs on the AMD machine", runs 1 and 2).
 ROLLOUTS_ONLY = {"LIVERL_CAPACITY__LEND_AFTER_S": "2", "LIVERL_CAPACITY__REFRESH_S": "5",
                  "LIVERL_LEARNER__LR": "3e-4", "LIVERL_LEARNER__TARGET_KL": "null",
