@@ -18,7 +18,8 @@ def test_a_version_records_how_far_it_moved_from_its_parent(starter_dir: Path):
     samples = sampled(starter_dir, count=6)
     small, large = (Trainer(starter_dir, LearnerConfig(minibatch=3, lr=lr)).train(samples) for lr in (1e-7, 1e-3))
     # Adam moves every weight by about lr per step, so the KL grows about as lr squared.
-    assert 0 <= small["kl_from_parent"] < large["kl_from_parent"] / 100
+    # (>= 0 up to float rounding: about -2e-8 when another test file ran first in the process)
+    assert -1e-6 <= small["kl_from_parent"] < large["kl_from_parent"] / 100
     for metrics in (small, large):
         assert metrics["entropy"] > 0
         assert 0 < metrics["grad_norm"] <= metrics["grad_norm_max"]
