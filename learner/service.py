@@ -112,6 +112,11 @@ class OpenGroup:
     def complete(self) -> bool:
         return len(self.members) == self.size
 
+    @property
+    def uniform(self) -> bool:
+        """Every member has the same reward: every advantage in the group is 0."""
+        return len({s.reward for s in self.members.values()}) == 1
+
 
 class SeekToRecorded(ConsumerRebalanceListener):
     """The registry, not the broker's commit, is the record of what was learned."""
@@ -147,7 +152,7 @@ class Learner:
         # gate computed for a candidate is its parent's half of the next version's gate.
         self.holdout_ratios: tuple[str, dict[str, float]] = ("", {})
         self.dropped = {"stale": 0, "consent": 0, "malformed": 0, "already_trained": 0, "untrainable": 0,
-                        "incomplete_group": 0}
+                        "incomplete_group": 0, "uniform_group": 0}
         self.open_groups: dict[str, OpenGroup] = {}
         self.next_offsets: dict[TopicPartition, int] = {}
         self.window_started = time.time()
@@ -252,6 +257,11 @@ class Learner:
             group.members[sample.sample_id] = sample
         tp, offset = position
         group.first_offsets[tp] = min(offset, group.first_offsets.get(tp, offset))
+        if self.config.drop_uniform_groups and group.complete and group.uniform and not held_out(
+                sample, self.config.holdout_fraction):  # the gate still sees its reward
+            del self.open_groups[key]
+            for _ in group.members:
+                self.drop("uniform_group")
 
     def stale(self, version: str) -> bool:
         """Samples of `version` are too far behind the learner to train on. What serves now

@@ -307,6 +307,9 @@ class LearnerConfig(Config):
     group_advantage: Literal["grpo", "dr_grpo"] = Field(
         "grpo", description="A grouped completion's advantage (`learner/rl.py: group_advantages`): its reward "
         "minus its group's mean over the group's std (GRPO), or not divided (Dr. GRPO).")
+    drop_uniform_groups: bool = Field(
+        False, description="Drop a complete group to be trained whose rewards are all equal (DAPO's dynamic "
+        "sampling): its advantages are all 0, so it would fill a version's batch with nothing to learn.")
     baseline_by: Literal["tenant", "prompt_end"] = Field(
         "tenant", description="What a lone completion's running reward baseline is kept per: its tenant, or "
         "its tenant and its prompt's last two tokens (a crude value of the kind of prompt it answers).")

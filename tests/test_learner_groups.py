@@ -176,3 +176,38 @@ def test_what_lent_replicas_serve_counts_as_serving(tmp_path):
     # Rollouts sample the learner's newest version: its chain is not "ahead of what serves"
     # (max_lead_versions would rewind it to stable), and those samples are not stale.
     assert learner.serving_versions() == {"v3", "v9"}
+
+
+def member(group: str, index: int, reward: float, size: int = 4) -> SimpleNamespace:
+    """A rollout group's member as the learner reads it (the fields `gather` looks at)."""
+    trajectory = SimpleNamespace(group_id=group, group_size=size, policy_version="v5")
+    return SimpleNamespace(sample_id=f"{group}-{index}", tenant="rollouts", revision=0, reward=reward,
+                           trajectory=trajectory)
+
+
+def test_a_group_whose_rewards_are_all_equal_is_dropped_when_asked_and_counts_toward_no_batch(monkeypatch):
+    # DAPO's dynamic sampling: all solved (or all failed), a group's advantages are all 0; it
+    # would fill a version's batch with nothing to learn. Held-out groups still reach the gate.
+    from kafka import TopicPartition
+
+    monkeypatch.setattr("learner.service.DROPPED", SimpleNamespace(labels=lambda reason: SimpleNamespace(inc=lambda: 0)))
+    monkeypatch.setattr("learner.service.held_out", lambda sample, fraction: sample.trajectory.group_id == "kept-out")
+    learner = learner_with({"batch_samples": 8, "drop_uniform_groups": True})
+    learner.dropped["uniform_group"] = 0
+    tp = TopicPartition("trajectories", 0)
+    for offset, (group, rewards) in enumerate([("solved", [1, 1, 1, 1]), ("failed", [0, 0, 0, 0]),
+                                               ("split", [1, 0, 0, 1]), ("kept-out", [1, 1, 1, 1])]):
+        for i, reward in enumerate(rewards):
+            learner.gather(member(group, i, float(reward)), b"", (tp, 4 * offset + i))
+    assert set(learner.open_groups) == {"rollouts:split", "rollouts:kept-out"}
+    assert learner.dropped["uniform_group"] == 8
+    learner.next_offsets = {tp: 16}
+    assert learner.safe_offsets() == {tp: 8}  # held back by the split group only: the dropped ones are done
+    learner.open_groups.pop("rollouts:kept-out")
+    assert not learner.due()  # 4 samples to train: the two dropped groups counted toward nothing
+
+    kept = learner_with({"batch_samples": 8})  # the default: every complete group trains
+    kept.dropped["uniform_group"] = 0
+    for i, reward in enumerate([1, 1, 1, 1]):
+        kept.gather(member("solved", i, float(reward)), b"", (tp, i))
+    assert set(kept.open_groups) == {"rollouts:solved"} and kept.dropped["uniform_group"] == 0
