@@ -116,7 +116,7 @@ def learner_with(config: dict, pending: int = 0, groups_waiting: list[OpenGroup]
     learner.pending = {f"s{i}": None for i in range(pending)}
     learner.open_groups = {f"g{i}": g for i, g in enumerate(groups_waiting)}
     learner.window_started = time.time()
-    learner.dropped = {"stale": 0, "incomplete_group": 0}
+    learner.dropped = {"stale": 0, "incomplete_group": 0, "uniform_group": 0}
     learner.current = SimpleNamespace(seq=current_seq)
     learner.serving = set()
     learner.registry = SimpleNamespace(seq_of=lambda version: int(version[1:]))
@@ -193,7 +193,6 @@ def test_a_group_whose_rewards_are_all_equal_is_dropped_when_asked_and_counts_to
     monkeypatch.setattr("learner.service.DROPPED", SimpleNamespace(labels=lambda reason: SimpleNamespace(inc=lambda: 0)))
     monkeypatch.setattr("learner.service.held_out", lambda sample, fraction: sample.trajectory.group_id == "kept-out")
     learner = learner_with({"batch_samples": 8, "drop_uniform_groups": True})
-    learner.dropped["uniform_group"] = 0
     tp = TopicPartition("trajectories", 0)
     for offset, (group, rewards) in enumerate([("solved", [1, 1, 1, 1]), ("failed", [0, 0, 0, 0]),
                                                ("split", [1, 0, 0, 1]), ("kept-out", [1, 1, 1, 1])]):
@@ -207,7 +206,6 @@ def test_a_group_whose_rewards_are_all_equal_is_dropped_when_asked_and_counts_to
     assert not learner.due()  # 4 samples to train: the two dropped groups counted toward nothing
 
     kept = learner_with({"batch_samples": 8})  # the default: every complete group trains
-    kept.dropped["uniform_group"] = 0
     for i, reward in enumerate([1, 1, 1, 1]):
         kept.gather(member("solved", i, float(reward)), b"", (tp, i))
     assert set(kept.open_groups) == {"rollouts:solved"} and kept.dropped["uniform_group"] == 0
