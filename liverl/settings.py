@@ -462,6 +462,10 @@ class RolloutsConfig(Config):
                              "'module:Class' of a team's own (rollouts/environment.py).")
     levels: list[int] | None = Field(None, description="Coding environments: the levels tasks are drawn "
                                      "from; None: all.")
+    train_params: Literal["split", "wide"] = Field("split", description="Coding environments: parameter names "
+                                                   "of training tasks: the split's twelve, or those and ~160 "
+                                                   "more identifiers (rollouts/coding.py: WIDE_PARAMS), never a "
+                                                   "held-out name.")
     group_size: int = Field(16, ge=2, le=1024, description="Completions sampled per task (G): their "
                             "rewards relative to each other are the GRPO advantages.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature of rollouts.")

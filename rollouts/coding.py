@@ -19,7 +19,9 @@ training split never uses, so the two splits share no task.
 from __future__ import annotations
 
 import ast
+import builtins
 import gzip
+import keyword
 import json
 import random
 from collections.abc import Callable, Iterator
@@ -83,11 +85,32 @@ FAMILIES = [
 LEVELS = sorted({f.level for f in FAMILIES})
 CASES = 5  # inputs per task: enough that a lucky constant never passes
 
+# Parameter names a wide training split adds to its twelve: identifiers as code names them,
+# one token or several, none of them a held-out name, a keyword or a builtin. An update that
+# sees hundreds of names learns to copy the name it reads; one that sees twelve learns to
+# favour those twelve, and writes a held-out name as the nearest of them.
+_WIDE = """amount total price index offset limit width height length depth score level weight speed
+rate delta step start end low high first last prev current target label title message content
+body header status code flag state config options params query url host port user email record
+row column cell table batch chunk block frame image pixel color point vector matrix number digit
+letter char prefix suffix pattern answer response request payload context session event timer
+timeout delay retries attempt page slot bucket queue stack tree graph edge vertex leaf root
+parent child owner group member sign op output os file read opt list_id user_id file_name
+max_size min_value new_value old_value input_text raw_data item_count base factor ratio bias
+margin radius angle distance duration interval budget quota balance cost fee tax discount
+counter tally sample reading signal level_id city country region zone channel topic tag
+version revision build_id seed salt nonce cursor marker anchor window span range_start
+message_id order_id customer account wallet device sensor port_number temperature pressure"""
+WIDE_PARAMS = sorted(set(_WIDE.split()) - set(PARAMS["heldout"]) - set(NAMES["heldout"])
+                     - set(keyword.kwlist) - set(dir(builtins)))
+TRAIN_PARAMS = {"split": PARAMS["train"], "wide": sorted(set(PARAMS["train"]) | set(WIDE_PARAMS))}
 
-def make_task(family: Family, split: Split, rng: random.Random) -> Task:
-    """One task of `family` with names and constants from `split`'s pools."""
+
+def make_task(family: Family, split: Split, rng: random.Random, train_params: str = "split") -> Task:
+    """One task of `family` with names and constants from `split`'s pools (a training task's
+    parameters from TRAIN_PARAMS[train_params])."""
     fname = rng.choice(NAMES[split])
-    a, b = rng.sample(PARAMS[split], 2)
+    a, b = rng.sample(TRAIN_PARAMS[train_params] if split == "train" else PARAMS[split], 2)
     k, j = rng.sample(CONSTANTS[split], 2)
     names = [a, b][: family.params]
     doc = family.doc.format(a=a, b=b, k=k, j=j)
@@ -118,16 +141,20 @@ class CodingEnvironment(Environment):
 
     name = "coding"
 
-    def __init__(self, levels: list[int] | None = None, limits: SandboxLimits | None = None):
+    def __init__(self, levels: list[int] | None = None, limits: SandboxLimits | None = None,
+                 train_params: str = "split"):
         unknown = set(levels or []) - set(LEVELS)
         if unknown:
             raise ValueError(f"coding environment: no level {sorted(unknown)} (levels are {LEVELS})")
+        if train_params not in TRAIN_PARAMS:
+            raise ValueError(f"coding environment: no training names {train_params!r} (one of {list(TRAIN_PARAMS)})")
         self.families = [f for f in FAMILIES if levels is None or f.level in levels]
         self.limits = limits or SandboxLimits()
+        self.train_params = train_params
 
     def tasks(self, split: Split, rng: random.Random) -> Iterator[Task]:
         while True:
-            yield make_task(rng.choice(self.families), split, rng)
+            yield make_task(rng.choice(self.families), split, rng, self.train_params)
 
     def score(self, task: Task, completion: str) -> float:
         return run_tests(solution_source(task, completion), task.hidden, self.limits).score
@@ -142,8 +169,9 @@ class CodingWithFeedback(CodingEnvironment, MultiTurnEnvironment):
     name = "coding-feedback"
     summary_request = "\n    # notes so far:"
 
-    def __init__(self, levels: list[int] | None = None, limits: SandboxLimits | None = None, max_turns: int = 4):
-        super().__init__(levels, limits)
+    def __init__(self, levels: list[int] | None = None, limits: SandboxLimits | None = None, max_turns: int = 4,
+                 train_params: str = "split"):
+        super().__init__(levels, limits, train_params)
         self.max_turns = max_turns
 
     def respond(self, task: Task, turns: list[str]) -> str | None:

@@ -96,7 +96,8 @@ class MultiTurnEnvironment(Environment):
 
 def configured_environment(config: RolloutsConfig) -> Environment:
     """The environment the settings name (the coding ones at `levels`)."""
-    kwargs = {"levels": config.levels} if config.environment in ("coding", "coding-feedback") else {}
+    coding = config.environment in ("coding", "coding-feedback")
+    kwargs = {"levels": config.levels, "train_params": config.train_params} if coding else {}
     return load_environment(config.environment, **kwargs)
 
 

@@ -16,6 +16,7 @@ from rollouts.coding import (
     CONSTANTS,
     LEVELS,
     PARAMS,
+    WIDE_PARAMS,
     CodingEnvironment,
     HumanEvalEnvironment,
 )
@@ -36,6 +37,19 @@ def test_train_and_heldout_share_no_task():
     assert len(heldout) == 200 and not train & heldout
     held_prompts = {t.prompt for t in env.heldout(200)}
     assert not {next(env.tasks("train", random.Random(i))).prompt for i in range(500)} & held_prompts
+
+
+def test_a_wide_training_split_names_parameters_beyond_the_twelve_and_still_shares_no_name_with_heldout():
+    env = CodingEnvironment(levels=[1, 2], train_params="wide")
+    rng = random.Random(0)
+    train = [next(env.tasks("train", rng)) for _ in range(3000)]
+    params = {t.prompt.split("(")[1].split(")")[0] for t in train}
+    assert len(params - set(PARAMS["train"])) > 100 and params <= set(PARAMS["train"]) | set(WIDE_PARAMS)
+    heldout = env.heldout(200)
+    assert not params & set(PARAMS["heldout"]) and not {t.task_id for t in train} & {t.task_id for t in heldout}
+    # The held-out split is the same whichever names training uses: results stay comparable.
+    assert [t.task_id for t in heldout] == [t.task_id for t in CodingEnvironment(levels=[1, 2]).heldout(200)]
+    assert scores(env, [(t, t.reference) for t in train[:20]]) == [1.0] * 20
 
 
 def test_every_level_is_solved_by_its_reference_answer_and_not_by_a_constant():
@@ -71,6 +85,8 @@ def test_a_partial_answer_scores_the_share_of_tests_it_passes():
 def test_a_level_that_does_not_exist_is_refused():
     with pytest.raises(ValueError, match="no level"):
         CodingEnvironment(levels=[9])
+    with pytest.raises(ValueError, match="no training names 'all'"):
+        CodingEnvironment(train_params="all")
 
 
 def test_humaneval_problems_load_and_their_canonical_solutions_pass_in_the_sandbox():
