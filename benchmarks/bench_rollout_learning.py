@@ -4,9 +4,9 @@ coding environment rise, and by how much in the time given?
 
 The demo's stack for a simulated day (`app/demo.py: demo_settings(day=True)`: two
 replicas, the learner, the capacity scheduler, the rollout worker on the coding
-environment's levels 1-2, groups of 8) with no users at all: after `lend_after_s` the
-scheduler lends one replica (one stays in production, `min_production_replicas`), which
-follows the learner's newest version every `refresh_s`. With no production traffic no
+environment's levels 1-2 with its wide pool of training names, groups of 8) with no users
+at all: after `lend_after_s` the scheduler lends one replica (one stays in production,
+`min_production_replicas`), which follows the learner's newest version every `refresh_s`. With no production traffic no
 canary can be judged, so stable stays the starter; rollouts sample the learner's head.
 After the run, with the stack down, each of up to `--versions` versions whose weights
 retention kept is evaluated greedily on `--heldout` held-out tasks (the starter too).
@@ -39,15 +39,16 @@ console = Console()
 # the evaluation after the run measures, so no evaluator takes a core from the two meanwhile.
 # What RL may change: only the attention's queries and keys. The copy the starter learned
 # (the tied embeddings, the attention's values and outputs, the experts) stays as it is, so
-# the update changes where the policy looks, not how a name it reads is written out, which
-# twelve training names would bend towards themselves. With the values and outputs free as
-# well the held-out rate peaked at 29-30% and fell to 14.5-23% by ten minutes; with the whole
-# model (embeddings frozen), peaks of 21.5-23.5% and 15-16% at ten minutes.
-# A fixed lr of 2e-4: +25.0, +18.5 and +24.0 at ten minutes in three runs, against +21.0
-# and +23.5 at 1e-4 (still rising at ten minutes) and +22.5 and +16.5 at 3e-4 (peaks sooner,
-# falls back); #12's adaptive step from 6e-4 did not learn from rollouts. Groups whose
-# rewards are all equal are dropped (nothing to learn; they would fill a version's batch).
-# docs/benchmarks.md, "More runs on the AMD machine" and "What the update may change".
+# the update changes where the policy looks, not how a name it reads is written out. With
+# the values and outputs free as well the held-out rate peaked and fell back; with the whole
+# model (embeddings frozen), lower peaks. A fixed lr of 2e-4 (1e-4 rises slower, 3e-4 falls
+# back); #12's adaptive step from 6e-4 did not learn from rollouts. Groups whose rewards are
+# all equal are dropped (nothing to learn; they would fill a version's batch). The demo's
+# day trains on the wide pool of parameter names (`rollouts.train_params`), and the starter
+# copies names of several tokens: each held-out task passes or fails by its name, and the
+# twelve one-token training names could not teach `word` (two tokens) or names the starter
+# confuses: +18.5 to +25.0 before, +35.5 with both (docs/benchmarks.md, "What the update may
+# change", "Name by name", "A starter that copies names of several tokens").
 ROLLOUTS_ONLY = {"LIVERL_CAPACITY__LEND_AFTER_S": "2", "LIVERL_CAPACITY__REFRESH_S": "5",
                  "LIVERL_LEARNER__LR": "2e-4", "LIVERL_LEARNER__TARGET_KL": "null",
                  "LIVERL_LEARNER__FROZEN_PARAMETERS": '["embed_tokens", "lm_head", "mlp", "norm", "v_proj", "o_proj"]',
