@@ -3,7 +3,7 @@
 A generated task is a function header and docstring ending in `return`; the policy
 writes the expression (one line). Families come in graded levels:
 
-    1  return a parameter unchanged           (the starter copies it in 45% of samples)
+    1  return a parameter unchanged           (the starter copies it in 42% of samples)
     2  a parameter and a constant: p + k, p * k, p - k
     3  two parameters: a + b, max(a, b), min(a, b), a * b
     4  a builtin or method on one parameter: len(p), sum(p), p.upper(), p[::-1], sorted(p)
