@@ -576,8 +576,8 @@ def demo_settings(day: bool = False) -> Settings:
         # the day's peak about 30 (bench_capacity, Nov 25), so a replica is lent beside that user.
         defaults["promotion"] |= {"quiet_canary_s": 15.0, "quiet_requests_per_s": 15.0}
         # The starter is small enough for the held-out evaluator to run it on a spare CPU thread.
-        # Training tasks name their parameters from 176 identifiers, not twelve: an update that
-        # sees that many learns to copy a name, one that sees twelve favours those twelve.
+        # Training tasks name their parameters from 176 identifiers, not twelve: with twelve of
+        # one token an update favours those and stops after a name's first token.
         defaults["rollouts"] = {"environment": "coding", "levels": [1, 2], "group_size": 8, "max_tokens": 16,
                                 "train_params": "wide", "heldout_every_s": 60.0}
     return settings_with_defaults(defaults, data_dir=Settings().data_dir / "demo")

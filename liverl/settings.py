@@ -463,7 +463,7 @@ class RolloutsConfig(Config):
     levels: list[int] | None = Field(None, description="Coding environments: the levels tasks are drawn "
                                      "from; None: all.")
     train_params: Literal["split", "wide"] = Field("split", description="Coding environments: parameter names "
-                                                   "of training tasks: the split's twelve, or those and ~160 "
+                                                   "of training tasks: the split's twelve, or those and 164 "
                                                    "more identifiers (rollouts/coding.py: WIDE_PARAMS), never a "
                                                    "held-out name.")
     group_size: int = Field(16, ge=2, le=1024, description="Completions sampled per task (G): their "

@@ -95,7 +95,7 @@ class MultiTurnEnvironment(Environment):
 
 
 def configured_environment(config: RolloutsConfig) -> Environment:
-    """The environment the settings name (the coding ones at `levels`)."""
+    """The environment the settings name (the coding ones at `levels`, named from `train_params`)."""
     coding = config.environment in ("coding", "coding-feedback")
     kwargs = {"levels": config.levels, "train_params": config.train_params} if coding else {}
     return load_environment(config.environment, **kwargs)
