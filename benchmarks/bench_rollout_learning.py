@@ -6,8 +6,9 @@ The demo's stack for a simulated day (`app/demo.py: demo_settings(day=True)`: tw
 replicas, the learner, the capacity scheduler, the rollout worker on the coding
 environment's levels 1-2 with its wide pool of training names, groups of 8) with no users
 at all: after `lend_after_s` the scheduler lends one replica (one stays in production,
-`min_production_replicas`), which follows the learner's newest version every `refresh_s`. With no production traffic no
-canary can be judged, so stable stays the starter; rollouts sample the learner's head.
+`min_production_replicas`), which follows the learner's newest version every `refresh_s`.
+With no production traffic no canary can be judged, so stable stays the starter; rollouts
+sample the learner's head.
 After the run, with the stack down, each of up to `--versions` versions whose weights
 retention kept is evaluated greedily on `--heldout` held-out tasks (the starter too).
 The issue's target: the newest version written within 10 minutes at least 25 points above
