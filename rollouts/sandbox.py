@@ -297,7 +297,9 @@ def run_tests(solution: str, cases: Sequence[Case], limits: SandboxLimits = Sand
             child = subprocess.Popen(
                 [unshare, *namespaces, sys.executable, "-I", "-S", __file__, str(answers_in)],
                 stdin=work, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, pass_fds=(answers_in,),
-                env={"PATH": "/usr/bin:/bin", "LC_ALL": "C.UTF-8"}, start_new_session=True)
+                # A process group of its own (for killpg) in the caller's session: a session
+                # of its own would be a CPU autogroup of its own, as heavy as a replica.
+                env={"PATH": "/usr/bin:/bin", "LC_ALL": "C.UTF-8"}, process_group=0)
         finally:
             os.close(answers_in)
     try:
