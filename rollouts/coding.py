@@ -160,6 +160,9 @@ class CodingEnvironment(Environment):
     def score(self, task: Task, completion: str) -> float:
         return run_tests(solution_source(task, completion), task.hidden, self.limits).score
 
+    def scored_as(self, task: Task, completion: str) -> str:
+        return solution_source(task, completion)
+
 
 class CodingWithFeedback(CodingEnvironment, MultiTurnEnvironment):
     """The generated tasks over several turns, with a test-running tool: after each
@@ -229,6 +232,9 @@ class HumanEvalEnvironment(Environment):
 
     def score(self, task: Task, completion: str) -> float:
         return run_tests(task.prompt + completion, task.hidden, self.limits).score
+
+    def scored_as(self, task: Task, completion: str) -> str:
+        return task.prompt + completion
 
 
 def humaneval_cases(test: str, entry_point: str) -> list[Case]:

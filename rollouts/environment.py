@@ -21,7 +21,7 @@ from __future__ import annotations
 import importlib
 import random
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -54,6 +54,12 @@ class Environment(ABC):
     @abstractmethod
     def score(self, task: Task, completion: str) -> float:
         """The completion's reward in [0, 1] (for code: the share of hidden tests passed)."""
+
+    def scored_as(self, task: Task, completion: str) -> Hashable | None:
+        """What `score` depends on, where that is only the completion's text (the program it
+        makes): the worker scores completions of a group with the same one once. None (the
+        default, for a score that varies or depends on more): each is scored."""
+        return None
 
     def solved(self, task: Task, completion: str) -> bool:
         """Whether a completion counts towards the pass rate (every test passed)."""

@@ -130,9 +130,18 @@ class RolloutWorker:
             len(c.get("token_ids") or [])) for c in choices]
 
     async def score(self, task: Task, attempts: list[Attempt]) -> list[float]:
+        """Each attempt's score; attempts the environment would score alike (`scored_as`) are
+        scored once: a quarter of a coding group repeats another member's program, and a
+        sandbox run is most of the CPU a rollout costs (docs/benchmarks.md, "Harvest")."""
         loop = asyncio.get_running_loop()
-        return list(await asyncio.gather(*(
-            loop.run_in_executor(self.scoring, self.environment.score, task, a.text) for a in attempts)))
+        keys = [object() if (key := self.environment.scored_as(task, a.text)) is None else key for a in attempts]
+        runs: dict[Any, str] = {}
+        for key, attempt in zip(keys, attempts):
+            runs.setdefault(key, attempt.text)
+        scores = await asyncio.gather(*(
+            loop.run_in_executor(self.scoring, self.environment.score, task, text) for text in runs.values()))
+        by_key = dict(zip(runs, scores))
+        return [by_key[key] for key in keys]
 
     def records(self, task: Task, replica: Replica, attempts: list[Attempt],
                 scores: list[float]) -> list[tuple[str, str, Trajectory | FeedbackEvent]]:

@@ -5,6 +5,7 @@ multi-turn task runs end to end (served, summarised, scored, trained)."""
 from __future__ import annotations
 
 import asyncio
+import random
 
 import httpx
 import torch
@@ -16,9 +17,13 @@ from liverl.contracts import RewardedSample, Trajectory
 from liverl.kafka import make_producer
 from liverl.keys import admin_headers
 from liverl.pool import ROLLOUT, read_pool, replica_async_client, set_replica
-from liverl.settings import LearnerConfig, RolloutsConfig
+from liverl.settings import LearnerConfig, RolloutsConfig, Settings
 from policies.registry import Registry
-from rollouts.worker import RolloutWorker, lent_replicas
+from rollouts import coding
+from rollouts.coding import CodingEnvironment, solution_source
+from rollouts.sandbox import run_tests
+from rollouts.environment import Environment, Task
+from rollouts.worker import Attempt, RolloutWorker, lent_replicas
 
 
 def test_groups_sampled_on_a_lent_replica_are_published_whole_and_trained_together(settings, paused_learner):
@@ -105,3 +110,52 @@ def test_a_multi_turn_task_is_served_summarised_scored_and_trained(settings, pau
     versions = train_and_wait(settings, groups)
     for group in groups:
         assert len({versions[f"rollouts:{t.completion_id}"] for t in group}) == 1
+
+
+
+class Echo(Environment):
+    """Scores a completion by the length of its first line; counts what it was asked to score."""
+
+    name = "echo"
+
+    def __init__(self, same_line_same_score: bool):
+        self.same_line_same_score, self.calls = same_line_same_score, []
+
+    def tasks(self, split, rng):
+        while True:
+            yield Task(task_id="t", prompt="say something\n")
+
+    def score(self, task, completion):
+        self.calls.append(completion)
+        return len(completion.split("\n")[0]) / 10
+
+    def scored_as(self, task, completion):
+        return completion.split("\n")[0] if self.same_line_same_score else None
+
+
+def test_completions_an_environment_scores_alike_are_scored_once_and_each_gets_the_score():
+    texts = ["a", "bb\nx", "a", "ccc", "bb\ny", "a"]
+    attempts = [Attempt(text, {}, 1) for text in texts]
+    for alike, runs in ((True, 3), (False, 6)):
+        environment = Echo(alike)
+        worker = RolloutWorker(Settings(), environment=environment)
+        scores = asyncio.run(worker.score(Task(task_id="t", prompt=""), attempts))
+        assert scores == [len(text.split("\n")[0]) / 10 for text in texts]  # in order, each its own
+        assert len(environment.calls) == runs
+
+
+def test_the_coding_environment_runs_one_program_once_per_group(monkeypatch):
+    environment = CodingEnvironment(levels=[1])
+    task = next(environment.tasks("train", random.Random(0)))
+    programs = []
+
+    def counted(source, cases, limits):
+        programs.append(source)
+        return run_tests(source, cases, limits)
+    monkeypatch.setattr(coding, "run_tests", counted)
+    right, wrong = task.reference, "None"
+    texts = [right, right + "\n# more", wrong, right, wrong + "\n"]  # a program is the first line
+    worker = RolloutWorker(Settings(), environment=environment)
+    scores = asyncio.run(worker.score(task, [Attempt(text, {}, 1) for text in texts]))
+    assert scores == [1.0, 1.0, 0.0, 1.0, 0.0]
+    assert sorted(programs) == sorted({solution_source(task, right), solution_source(task, wrong)})
