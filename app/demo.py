@@ -509,6 +509,10 @@ def run_demo(settings: Settings, minutes: float, users: int, seed: int, max_toke
             day = capacity_summary(pop, read_events(settings), status["rollouts"], active, tokens)
             day["load"] = active
             day["heldout_live"] = status.get("evaluator", {}).get("heldout", {})  # as the evaluator reached them
+            # Each production request (sent at, seconds, answered): runs of the same day compare window by window.
+            out_dir.mkdir(parents=True, exist_ok=True)
+            with pop._lock:
+                (out_dir / "requests.json").write_text(json.dumps(pop.requests))
         drain(settings, settings.drain_timeout_s, say=lambda _: None)
         per_version = json.loads(httpx.post(settings.url(settings.ports.sink) + "/sql", timeout=60, json={
             "sql": VERSION_SQL, "format": "json"}, headers=admin_headers(settings)).raise_for_status().text)["data"]

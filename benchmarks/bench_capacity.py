@@ -4,7 +4,8 @@ run with the capacity scheduler on and then off, the same load pattern and seed.
 Reports, against the issue's targets: take-back time (load signal to the replica serving
 production again; p99 over the run's take-backs, target 2 s) and production requests failed
 (target 0); production latency p99 in peaks with lending on vs off (within 10%) and while a
-replica is lent vs the run's unlent periods (at most 1.5x); harvest, rollout tokens/s over
+replica is lent vs the run's unlent periods and vs lending off over the same seconds (at
+most 1.5x); harvest, rollout tokens/s over
 all lent time vs a lent replica alone with no production traffic, from the same run (at
 least 80%).
 
@@ -25,6 +26,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from app.demo import p99
+
 ROOT = Path(__file__).resolve().parents[1]
 console = Console()
 
@@ -40,6 +43,12 @@ def demo(out: Path, minutes: float, day_minutes: float, seed: int, heldout: int,
     result = json.loads((out / "summary.json").read_text())
     result["wall_s"] = time.time() - started
     return result
+
+
+def p99_within(run: Path, windows: list) -> float | None:
+    """p99 of a run's answered production requests sent within `windows` ((start s, end s, replica))."""
+    requests = json.loads((run / "requests.json").read_text())
+    return p99([seconds for at, seconds, ok in requests if ok and any(a <= at < b for a, b, _ in windows)])
 
 
 def fmt(x: float | None, unit: str = "") -> str:
@@ -59,6 +68,8 @@ def rows(a: dict, b: dict) -> list[tuple[str, str, str, str]]:
         ("latency p99 in peaks", fmt(lat_on["peak"], " s"), fmt(lat_off["peak"], " s"), "on <= 1.1x off"),
         ("latency p99 lent / not lent", f"{fmt(lat_on['lent'], ' s')} / {fmt(lat_on['not_lent'], ' s')}", "",
          "<= 1.5x"),
+        ("latency p99 in the lent periods' seconds", fmt(lat_on["lent"], " s"), fmt(b["p99_in_lent_periods_s"], " s"),
+         "on <= 1.5x off"),
         ("rollout tokens/s lent / alone / beside production", f"{fmt(a['harvest']['tokens_per_s_lent'])} / "
          f"{fmt(a['harvest']['tokens_per_s_alone'])} / {fmt(a['harvest']['tokens_per_s_beside_production'])} "
          f"({fmt(a['harvest']['seconds_beside_production'])} s)", "", ""),
@@ -80,6 +91,7 @@ def main(minutes: float = typer.Option(8.0, help="Length of each run."),
         on = demo(where / "lending-on", minutes, day_minutes, seed, heldout, {})
         off = demo(where / "lending-off", minutes, day_minutes, seed, 1, {"LIVERL_CAPACITY__ENABLED": "false"})
         a, b = on["day"], off["day"]
+        b["p99_in_lent_periods_s"] = p99_within(where / "lending-off", a["lent"])  # the same load, nothing lent
         table = Table(title=f"lending idle replicas: {minutes} min runs, {day_minutes}-min days, seed {seed}"
                             + (f", pair {run + 1} of {runs}" if runs > 1 else ""))
         for column in ("measure", "lending on", "lending off", "target"):
@@ -96,6 +108,10 @@ def main(minutes: float = typer.Option(8.0, help="Length of each run."),
                   if a["latency_p99_s"]["peak"] and b["latency_p99_s"]["peak"]]
         console.print(f"peak p99 on / off per pair: {[round(r, 3) for r in ratios]}, median "
                       f"{statistics.median(ratios):.3f}" if ratios else "no peak latency in any pair")
+        lent = [a["latency_p99_s"]["lent"] / b["p99_in_lent_periods_s"] for a, b in pairs
+                if a["latency_p99_s"]["lent"] and b["p99_in_lent_periods_s"]]
+        console.print(f"p99 in the lent periods, on / off over the same seconds, per pair: "
+                      f"{[round(r, 3) for r in lent]}" if lent else "nothing lent in any pair")
         console.print(f"take-backs over all pairs: {sum(a['take_backs'] for a, _ in pairs)}, slowest per pair "
                       f"{[round(x, 2) for x in slowest]} s")
 

@@ -31,15 +31,14 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from app.demo import demo_settings, make_prompt
+from liverl.pool import SERVED_MODEL_NAME, replica_async_client
+from liverl.settings import Settings
+from policies.starter import build_starter_policy
+from rollouts.worker import RolloutWorker
+from serving.replicas import launch_replica, replica_url, wait_replica
 
-from app.demo import demo_settings, make_prompt  # noqa: E402
-from liverl.pool import SERVED_MODEL_NAME, replica_async_client  # noqa: E402
-from liverl.settings import Settings  # noqa: E402
-from policies.starter import build_starter_policy  # noqa: E402
-from rollouts.worker import RolloutWorker  # noqa: E402
-from serving.replicas import launch_replica, replica_url, wait_replica  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 console = Console(width=160)  # the table whole, also when written to a file
 app = typer.Typer(add_completion=False)
