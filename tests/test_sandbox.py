@@ -127,8 +127,8 @@ def test_a_completion_competes_for_the_cpu_as_part_of_its_caller():
     """In the caller's session, so in its autogroup and at its nice: the rollout worker's
     sandboxes yield to production as the worker does, the nice-19 evaluator's stay at 19.
     A session each made every running sandbox a scheduling group of its own, as heavy as
-    the production replica (a production user's p99 beside rollouts 0.134 s instead of
-    0.046 s: docs/benchmarks.md, "Harvest on two shared cores")."""
+    the production replica (a production user's p99 beside rollouts 83-97 ms, 2.5-3.0x its
+    alone; 51-63 ms in its caller's: docs/benchmarks.md, "Harvest on two shared cores")."""
     with ThreadPoolExecutor(1) as running:
         verdict = running.submit(run_tests, "import time\ntime.sleep(1)\ndef f():\n    return 1\n",
                                  [Case("f()", 1)], QUICK)
