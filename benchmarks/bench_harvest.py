@@ -23,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Coroutine
 from pathlib import Path
 
 import psutil
@@ -31,7 +32,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from app.demo import demo_settings, make_prompt
+from app.demo import demo_settings, make_prompt, p99
 from liverl.pool import SERVED_MODEL_NAME, replica_async_client
 from liverl.settings import Settings
 from policies.starter import build_starter_policy
@@ -44,6 +45,17 @@ console = Console(width=160)  # the table whole, also when written to a file
 app = typer.Typer(add_completion=False)
 WARM_S = 5.0  # each phase starts measuring once its load has run this long
 DEMO_MAX_TOKENS = 24  # what `liverl demo`'s users ask for (app/cli.py)
+
+
+async def measured(loops: list[Coroutine], measuring: asyncio.Event, seconds: float) -> None:
+    """Runs `loops` for WARM_S, then sets `measuring` and stops them `seconds` later."""
+    running = [asyncio.create_task(loop) for loop in loops]
+    await asyncio.sleep(WARM_S)
+    measuring.set()
+    await asyncio.sleep(seconds)
+    for task in running:
+        task.cancel()
+    await asyncio.gather(*running, return_exceptions=True)
 
 
 async def rollouts(settings: Settings, url: str, seconds: float, score: bool) -> dict:
@@ -67,13 +79,7 @@ async def rollouts(settings: Settings, url: str, seconds: float, score: bool) ->
                 counted["programs"] += len({worker.environment.scored_as(task, a.text) for a in attempts})
 
     async with replica_async_client(url, settings.serving.request_timeout_s) as client:
-        groups = [asyncio.create_task(one_at_a_time(client)) for _ in range(settings.rollouts.groups_in_flight)]
-        await asyncio.sleep(WARM_S)
-        measuring.set()
-        await asyncio.sleep(seconds)
-        for group in groups:
-            group.cancel()
-        await asyncio.gather(*groups, return_exceptions=True)
+        await measured([one_at_a_time(client) for _ in range(settings.rollouts.groups_in_flight)], measuring, seconds)
     return {"tokens_per_s": counted["tokens"] / seconds, "groups_per_s": counted["groups"] / seconds,
             "distinct_programs": counted["programs"] / max(1, counted["completions"])}
 
@@ -95,16 +101,9 @@ async def production(url: str, users: int, seconds: float, timeout_s: float) -> 
                 latencies.append(time.perf_counter() - sent)
 
     async with replica_async_client(url, timeout_s) as client:
-        running = [asyncio.create_task(user(client, seed)) for seed in range(users)]
-        await asyncio.sleep(WARM_S)
-        measuring.set()
-        await asyncio.sleep(seconds)
-        for task in running:
-            task.cancel()
-        await asyncio.gather(*running, return_exceptions=True)
-    latencies.sort()
-    return {"requests_per_s": len(latencies) / seconds, "p50_s": latencies[len(latencies) // 2],
-            "p99_s": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))]}
+        await measured([user(client, seed) for seed in range(users)], measuring, seconds)
+    return {"requests_per_s": len(latencies) / seconds, "p50_s": statistics.median(latencies),
+            "p99_s": p99(latencies)}
 
 
 def phase(settings: Settings, urls: list[str], lent: bool, served: bool, seconds: float, users: int,
@@ -133,7 +132,8 @@ def main(runs: int = typer.Option(3, help="Runs of the three phases, for the spr
          users: int = typer.Option(1, help="Production users on replica B (the night shift is one)."),
          score: bool = typer.Option(True, help="Score each group in the sandbox, as the worker does."),
          out: Path = typer.Option(Path("bench-harvest"), help="Where results.json goes."),
-         rollouts_on: str | None = typer.Option(None, hidden=True, help="Run only the rollout side, on this replica.")) -> None:
+         rollouts_on: str | None = typer.Option(None, hidden=True,
+                                                help="Run only the rollout side, on this replica.")) -> None:
     settings = demo_settings(day=True)
     if rollouts_on is not None:  # the phase's child process
         print(json.dumps(asyncio.run(rollouts(settings, rollouts_on, seconds, score))))
@@ -149,15 +149,15 @@ def main(runs: int = typer.Option(3, help="Runs of the three phases, for the spr
         with Progress(console=console) as progress:
             bar = progress.add_task("phases", total=runs * len(phases))
             for run in range(runs):
-                measured = {}
+                by_phase = {}
                 for name, (lent, served) in phases.items():
                     progress.update(bar, description=f"run {run + 1}: {name}")
-                    measured[name] = phase(settings, urls, lent, served, seconds, users, score)
+                    by_phase[name] = phase(settings, urls, lent, served, seconds, users, score)
                     progress.advance(bar)
-                both, alone, production_alone = measured["both"], measured["rollouts alone"], measured["production alone"]
-                measured["harvest"] = both["tokens_per_s"] / alone["tokens_per_s"]
-                measured["p99_beside_rollouts"] = both["p99_s"] / production_alone["p99_s"]
-                results.append(measured)
+                both, alone = by_phase["both"], by_phase["rollouts alone"]
+                by_phase["harvest"] = both["tokens_per_s"] / alone["tokens_per_s"]
+                by_phase["p99_beside_rollouts"] = both["p99_s"] / by_phase["production alone"]["p99_s"]
+                results.append(by_phase)
     finally:
         for _, process in launched:
             os.killpg(process.pid, 9)
