@@ -484,7 +484,7 @@ def demo(minutes: float = typer.Option(10.0, help="How long the simulated produc
     import signal
     import sys
 
-    from app.demo import demo_settings, run_demo
+    from app.demo import USER_MAX_TOKENS, demo_settings, run_demo
     from app.stack import StackError, wipe_data_dir
 
     # `kill` (a stopped benchmark, a CI timeout) unwinds as Ctrl-C does: the stack goes down with the demo.
@@ -494,7 +494,7 @@ def demo(minutes: float = typer.Option(10.0, help="How long the simulated produc
         wipe_data_dir(settings)  # every demo starts from the starter policy
     except StackError as error:
         fail(str(error))
-    result = run_demo(settings, minutes, users, seed, max_tokens=24, out_dir=out, console=console,
+    result = run_demo(settings, minutes, users, seed, max_tokens=USER_MAX_TOKENS, out_dir=out, console=console,
                       day_minutes=day_minutes if load is DemoLoad.day else None, heldout=heldout)
     # The per-version table is printed above; the curve is in the plot and summary.json.
     console.print_json(json.dumps({k: v for k, v in result.items() if k not in ("clickhouse", "learning_curve")}))

@@ -101,6 +101,7 @@ def day_load(t: float, day_s: float) -> float:
 
 
 NIGHT_SHIFT = 1e-3  # a share above zero: the first user is active
+USER_MAX_TOKENS = 24  # what a demo user asks for in each request
 
 
 class Population:

@@ -5,9 +5,8 @@ Reports, against the issue's targets: take-back time (load signal to the replica
 production again; p99 over the run's take-backs, target 2 s) and production requests failed
 (target 0); production latency p99 in peaks with lending on vs off (within 10%) and while a
 replica is lent vs the run's unlent periods and vs lending off over the same seconds (at
-most 1.5x); harvest, rollout tokens/s over
-all lent time vs a lent replica alone with no production traffic, from the same run (at
-least 80%).
+most 1.5x); harvest, rollout tokens/s over all lent time vs a lent replica alone with no
+production traffic, from the same run (at least 80%).
 
     .venv/bin/python benchmarks/bench_capacity.py --minutes 8 --day-minutes 4 --out bench-capacity
     .venv/bin/python benchmarks/bench_capacity.py --runs 3 --out bench-capacity/three   # pairs, for the spread

@@ -32,7 +32,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from app.demo import demo_settings, make_prompt, p99
+from app.demo import USER_MAX_TOKENS, demo_settings, make_prompt, p99
 from liverl.pool import SERVED_MODEL_NAME, replica_async_client
 from liverl.settings import Settings
 from policies.starter import build_starter_policy
@@ -44,7 +44,6 @@ ROOT = Path(__file__).resolve().parents[1]
 console = Console(width=160)  # the table whole, also when written to a file
 app = typer.Typer(add_completion=False)
 WARM_S = 5.0  # each phase starts measuring once its load has run this long
-DEMO_MAX_TOKENS = 24  # what `liverl demo`'s users ask for (app/cli.py)
 
 
 async def measured(loops: list[Coroutine], measuring: asyncio.Event, seconds: float) -> None:
@@ -94,7 +93,7 @@ async def production(url: str, users: int, seconds: float, timeout_s: float) -> 
         while True:
             sent = time.perf_counter()
             response = await client.post("/v1/completions", json={
-                "model": SERVED_MODEL_NAME, "prompt": make_prompt(rng), "max_tokens": DEMO_MAX_TOKENS,
+                "model": SERVED_MODEL_NAME, "prompt": make_prompt(rng), "max_tokens": USER_MAX_TOKENS,
                 "temperature": 1.0, "seed": rng.randrange(2**31)})
             response.raise_for_status()
             if measuring.is_set():

@@ -158,10 +158,10 @@ class CodingEnvironment(Environment):
             yield make_task(rng.choice(self.families), split, rng, self.train_params)
 
     def score(self, task: Task, completion: str) -> float:
-        return run_tests(solution_source(task, completion), task.hidden, self.limits).score
+        return run_tests(self.scored_as(task, completion), task.hidden, self.limits).score
 
     def scored_as(self, task: Task, completion: str) -> str:
-        return solution_source(task, completion)
+        return solution_source(task, completion)  # the program the sandbox runs
 
 
 class CodingWithFeedback(CodingEnvironment, MultiTurnEnvironment):
@@ -231,10 +231,10 @@ class HumanEvalEnvironment(Environment):
             yield from order
 
     def score(self, task: Task, completion: str) -> float:
-        return run_tests(task.prompt + completion, task.hidden, self.limits).score
+        return run_tests(self.scored_as(task, completion), task.hidden, self.limits).score
 
     def scored_as(self, task: Task, completion: str) -> str:
-        return task.prompt + completion
+        return task.prompt + completion  # the program the sandbox runs
 
 
 def humaneval_cases(test: str, entry_point: str) -> list[Case]:

@@ -131,7 +131,7 @@ class RolloutWorker:
 
     async def score(self, task: Task, attempts: list[Attempt]) -> list[float]:
         """Each attempt's score; attempts the environment would score alike (`scored_as`) are
-        scored once: a quarter of a coding group repeats another member's program, and a
+        scored once: about 30% of a coding group repeat another member's program, and a
         sandbox run is most of the CPU a rollout costs (docs/benchmarks.md, "Harvest")."""
         loop = asyncio.get_running_loop()
         keys = [object() if (key := self.environment.scored_as(task, a.text)) is None else key for a in attempts]

@@ -21,8 +21,8 @@ from liverl.settings import LearnerConfig, RolloutsConfig, Settings
 from policies.registry import Registry
 from rollouts import coding
 from rollouts.coding import CodingEnvironment, solution_source
-from rollouts.sandbox import run_tests
 from rollouts.environment import Environment, Task
+from rollouts.sandbox import run_tests
 from rollouts.worker import Attempt, RolloutWorker, lent_replicas
 
 
@@ -110,7 +110,6 @@ def test_a_multi_turn_task_is_served_summarised_scored_and_trained(settings, pau
     versions = train_and_wait(settings, groups)
     for group in groups:
         assert len({versions[f"rollouts:{t.completion_id}"] for t in group}) == 1
-
 
 
 class Echo(Environment):
