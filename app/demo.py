@@ -93,8 +93,7 @@ def day_load(t: float, day_s: float) -> float:
     """The share of users active `t` seconds into a compressed day of `day_s` seconds: a
     trough of about 28% of the day around midnight, a rise to a peak with every user active
     around noon, and down again. Through the trough's evening half one user is still active
-    (the night shift: a lent replica then generates beside production), after midnight
-    nobody (what a lent replica generates alone)."""
+    (the night shift), after midnight nobody."""
     share = 1.6 * (0.5 - 0.5 * math.cos(2 * math.pi * t / day_s)) - 0.3
     evening = (t % day_s) >= day_s / 2
     return min(1.0, max(NIGHT_SHIFT if evening else 0.0, share))
@@ -574,12 +573,15 @@ def demo_settings(day: bool = False) -> Settings:
         "promotion": {"auto_promote": True, "judge_after_s": 1.0, "margin": 0.1, "reward_margin": 0.1,
                       "canary_refresh_samples": 300, "latency_p99_ratio": None},
     }  # the demo's own defaults: `LIVERL_*` variables still override each of them
-    if day:  # troughs last about a minute: lend after 10 s of no traffic
-        defaults["capacity"] = {"enabled": True, "lend_after_s": 10.0}
-        # A canary caught by a trough stands down rather than hold the second replica through it,
-        # and the night shift counts as a trough: one user alone asks about 12 requests a second,
-        # the day's peak about 30 (bench_capacity, Nov 25), so a replica is lent beside that user.
-        defaults["promotion"] |= {"quiet_canary_s": 15.0, "quiet_requests_per_s": 15.0}
+    if day:
+        # Troughs last about a minute: lend after 10 s of no traffic at all, and the first
+        # production request takes the replica back. On two shared cores a lent replica's
+        # rollouts take the CPU production needs: one user beside them answered at 1.6-2.2x
+        # its p99 alone (benchmarks/bench_harvest.py, Nov 27), so nothing is lent beside the
+        # night shift's one user (replicas on devices of their own keep the defaults).
+        defaults["capacity"] = {"enabled": True, "lend_after_s": 10.0, "lend_below": 0.0, "take_back_above": 0.0}
+        # A canary caught by a trough stands down rather than hold the second replica through it.
+        defaults["promotion"] |= {"quiet_canary_s": 15.0}
         # The starter is small enough for the held-out evaluator to run it on a spare CPU thread.
         # Training tasks name their parameters from 176 identifiers, not twelve: with twelve of
         # one token an update favours those and stops after a name's first token.

@@ -474,3 +474,18 @@ def test_a_canary_is_not_started_on_a_replica_lent_meanwhile(monkeypatch, tmp_pa
     monkeypatch.setattr("promotion.promoter.read_pool", read_then_lend)
     Promoter(settings, registry).start_canary("v4", "controller", "gate passed")
     assert swaps == [("r1", "v4")]  # not r0, which rollouts have now
+
+
+def test_the_demo_day_lends_only_with_no_production_and_the_first_request_takes_it_back():
+    # On two shared cores a lent replica's rollouts take the CPU production needs: one user
+    # beside them answers at 1.6-2.2x its p99 alone (benchmarks/bench_harvest.py), so the
+    # demo's day lends nothing beside the night shift's one user.
+    from app.demo import demo_settings
+
+    rules = Hysteresis(demo_settings(day=True).capacity)
+    night_shift = [rules.decide(t / 2, load({"r1": 1}), pool(), False) for t in range(120)]
+    assert night_shift == [None] * 120
+    assert [rules.decide(60 + t, load(), pool(), False) for t in range(10)] == [None] * 10
+    assert rules.decide(70.1, load(), pool(), False).action == "lend"
+    back = rules.decide(70.2, load({"r1": 1}), pool(lent=1), False)  # the morning's first user
+    assert back.action == "take_back" and back.replica == "r0"
