@@ -239,7 +239,7 @@ def test_a_canary_as_good_as_stable_is_promoted_by_the_guard(settings, stack, de
             t.join(timeout=60)
         restart_component(settings, "controller", {})
     record = registry.get(candidate.version)
-    assert record.state == "stable", (record.state, record.metrics.get("canary"))
+    assert record.state == "stable", (record.state, record.metrics.get("canary"), record.metrics.get("promotion_error"))
     verdict = record.metrics["canary"]
     assert verdict["verdict"] == "non_inferior" and {c["decision"] for c in verdict["comparisons"]} == {"non_inferior"}
     assert served.get(candidate.version)  # judged on what it served
