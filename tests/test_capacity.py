@@ -15,6 +15,7 @@ from helpers import serving_load, wait_for
 
 import liverl.pool
 import serving.swap
+from app.demo import demo_settings
 from liverl.contracts import CapacityEvent
 from liverl.kafka import make_producer
 from liverl.pool import ROLLOUT, Pool, Replica, read_pool, write_pool
@@ -480,8 +481,6 @@ def test_the_demo_day_lends_only_with_no_production_and_the_first_request_takes_
     # On two shared cores a lent replica's rollouts take the CPU production needs: one user
     # beside them answers at 1.6-2.2x its p99 alone (benchmarks/bench_harvest.py), so the
     # demo's day lends nothing beside the night shift's one user.
-    from app.demo import demo_settings
-
     rules = Hysteresis(demo_settings(day=True).capacity)
     night_shift = [rules.decide(t / 2, load({"r1": 1}), pool(), False) for t in range(120)]
     assert night_shift == [None] * 120
