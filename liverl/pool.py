@@ -9,6 +9,8 @@ the promotion controller and the CLI all read it, so it lives here, in the share
 from __future__ import annotations
 
 import fcntl
+import functools
+import ssl
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -162,16 +164,24 @@ def set_replica(settings: Settings, name: str, **changes: object) -> Replica:
     return updated
 
 
+@functools.cache
+def replica_tls() -> ssl.SSLContext:
+    """One TLS context for every replica client: httpx builds one per client by default,
+    loading the CA bundle each time (about 17 ms of CPU), which the gateway's first request
+    to a replica and each probe and health check of a swap would pay."""
+    return httpx.create_ssl_context()
+
+
 def replica_client(url: str, timeout: float = 30) -> httpx.Client:
     """An HTTP client to one replica, over its socket or TCP; paths are relative ("/health")."""
     if url.startswith(UNIX):
-        return httpx.Client(transport=httpx.HTTPTransport(uds=url[len(UNIX):]), base_url="http://replica",
-                            timeout=timeout)
-    return httpx.Client(base_url=url, timeout=timeout)
+        return httpx.Client(transport=httpx.HTTPTransport(uds=url[len(UNIX):], verify=replica_tls()),
+                            base_url="http://replica", timeout=timeout)
+    return httpx.Client(base_url=url, timeout=timeout, verify=replica_tls())
 
 
 def replica_async_client(url: str, timeout: float) -> httpx.AsyncClient:
     if url.startswith(UNIX):
-        return httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=url[len(UNIX):]),
+        return httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=url[len(UNIX):], verify=replica_tls()),
                                  base_url="http://replica", timeout=timeout)
-    return httpx.AsyncClient(base_url=url, timeout=timeout)
+    return httpx.AsyncClient(base_url=url, timeout=timeout, verify=replica_tls())

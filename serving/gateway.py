@@ -288,6 +288,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI):
         app.state.producer = make_producer(settings)
         await app.state.producer.start()
+        for replica in router.pool().replicas:  # made now, not by the first request each one answers
+            client_for(replica)
         yield
         await asyncio.gather(*recording)
         await asyncio.gather(*(client.aclose() for client in clients.values()))
