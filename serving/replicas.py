@@ -103,7 +103,7 @@ def launch_replica(settings: Settings, name: str, model_dir: Path, url: str,
 
 
 def wait_replica(settings: Settings, replica: Replica, process: subprocess.Popen) -> None:
-    """Until the replica is healthy and has answered one request as the gateway asks them."""
+    """Wait until the replica is healthy and has answered one request as the gateway asks them."""
     healthy = wait_until(lambda: replica_healthy(replica.url), settings.serving.start_timeout_s, process)
     if not healthy:
         raise ReplicaError(f"{replica.name}: vLLM did not become healthy serving {replica.policy_version}; "
