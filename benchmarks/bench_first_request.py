@@ -25,6 +25,7 @@ from rich.console import Console
 from rich.table import Table
 
 from app.demo import USER_MAX_TOKENS, make_prompt
+from liverl.pool import SERVED_MODEL_NAME
 from liverl.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,7 +48,7 @@ def first_requests(data_dir: Path, requests: int) -> list[float]:
                           headers={"Authorization": f"Bearer {key}"}) as gateway:
             for _ in range(requests):
                 sent = time.perf_counter()
-                gateway.post("/v1/completions", json={"model": "liverl-policy", "prompt": make_prompt(rng),
+                gateway.post("/v1/completions", json={"model": SERVED_MODEL_NAME, "prompt": make_prompt(rng),
                                                       "max_tokens": USER_MAX_TOKENS}).raise_for_status()
                 seconds.append(time.perf_counter() - sent)
         return seconds
