@@ -27,6 +27,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from openai import OpenAI
 from rich.console import Console
@@ -81,6 +82,15 @@ def hidden_rule(prompt: str, completion: str, max_lines: int = 4) -> bool:
     return True
 
 
+class Request(NamedTuple):
+    """One production request the simulated users sent (a list in requests.json)."""
+
+    at: float  # seconds since the users started
+    seconds: float  # until the answer, or the failure
+    ok: bool  # answered
+    completion_tokens: int  # what the policy answered with: its length sets how long a request takes
+
+
 @dataclass
 class Tally:
     served: int = 0
@@ -118,7 +128,7 @@ class Population:
         self.max_tokens = max_tokens
         self.tallies: dict[str, Tally] = {}
         self.load = load
-        self.requests: list[tuple[float, float, bool]] = []  # (sent at, seconds, answered)
+        self.requests: list[Request] = []
         self.started = time.time()
         self.errors = 0
         self._lock = threading.Lock()
@@ -143,12 +153,14 @@ class Population:
             except Exception:
                 with self._lock:
                     self.errors += 1
-                    self.requests.append((sent - self.started, time.time() - sent, False))
+                    self.requests.append(Request(sent - self.started, time.time() - sent, False, 0))
                 time.sleep(0.5)
                 continue
-            with self._lock:
-                self.requests.append((sent - self.started, time.time() - sent, True))
+            answered_in = time.time() - sent
             completion = raw.parse()
+            with self._lock:
+                self.requests.append(Request(sent - self.started, answered_in, True,
+                                             completion.usage.completion_tokens if completion.usage else 0))
             version = raw.headers["x-liverl-policy-version"]
             ok = hidden_rule(prompt, completion.choices[0].text)
             (self.feedback.accept if ok else self.feedback.reject)(completion.model_extra["completion_id"])
@@ -332,16 +344,21 @@ def capacity_summary(pop: Population, events: list[CapacityEvent], rollouts: dic
                      load: list[tuple[float, int]] = (), tokens: list[tuple[float, int]] = ()) -> dict:
     """What lending cost production and what it harvested: take-back times, failed
     requests, production latency p99 while a replica was lent and while none was, and
-    rollout tokens/s while lent against a lent replica's alone (`harvest`)."""
+    rollout tokens/s while lent against a lent replica's alone (`harvest`).
+
+    Latency also depends on what the policy answers, and lending changes the policy (it
+    trains on rollouts), so peaks also report the mean completion length and the p99 of
+    the requests answered at full length: the same work per request in both runs."""
     end_s = time.time() - pop.started
     lent = lent_intervals(events, pop.started, end_s)
     with pop._lock:
-        requests = list(pop.requests)
-    during = [seconds for at, seconds, ok in requests if ok and any(a <= at < b for a, b, _ in lent)]
-    outside = [seconds for at, seconds, ok in requests if ok and not any(a <= at < b for a, b, _ in lent)]
+        requests = [Request(*r) for r in pop.requests]
+    answered = [r for r in requests if r.ok]
+    during = [r.seconds for r in answered if any(a <= r.at < b for a, b, _ in lent)]
+    outside = [r for r in answered if not any(a <= r.at < b for a, b, _ in lent)]
     # Peaks: at least 3/4 of the users active, every replica back in production.
-    peak = [seconds for at, seconds, ok in requests if ok and pop.load is not None and pop.load(at) >= 0.75
-            and not any(a <= at < b for a, b, _ in lent)]
+    peak = [r for r in outside if pop.load is not None and pop.load(r.at) >= 0.75]
+    full_length = max((r.completion_tokens for r in answered), default=0)
     take_backs = take_back_seconds(events)
     return {"lends": sum(e.action == "lend" for e in events), "take_backs": len(take_backs),
             "take_back_s": {"median": statistics.median(take_backs) if take_backs else None,
@@ -349,8 +366,11 @@ def capacity_summary(pop: Population, events: list[CapacityEvent], rollouts: dic
             "take_backs_over_bound": sum(e.bound_s is not None and e.seconds > e.bound_s for e in events),
             "take_back_steps": [e.steps for e in events if e.action == "take_back"],
             "lent_seconds": sum(b - a for a, b, _ in lent),
-            "production_requests": len(requests), "production_failed": sum(not ok for _, _, ok in requests),
-            "latency_p99_s": {"lent": p99(during), "not_lent": p99(outside), "peak": p99(peak)},
+            "production_requests": len(requests), "production_failed": sum(not r.ok for r in requests),
+            "latency_p99_s": {"lent": p99(during), "not_lent": p99([r.seconds for r in outside]),
+                              "peak": p99([r.seconds for r in peak]),
+                              "peak_full_length": p99([r.seconds for r in peak if r.completion_tokens == full_length])},
+            "peak_completion_tokens": statistics.mean(r.completion_tokens for r in peak) if peak else None,
             "rollout_groups": rollouts.get("groups", 0), "rollout_groups_cut": rollouts.get("cut", 0),
             "rollout_completions": rollouts.get("completions", 0),
             "harvest": harvest(lent, list(load), list(tokens)), "lent": lent}
@@ -509,7 +529,7 @@ def run_demo(settings: Settings, minutes: float, users: int, seed: int, max_toke
             day = capacity_summary(pop, read_events(settings), status["rollouts"], active, tokens)
             day["load"] = active
             day["heldout_live"] = status.get("evaluator", {}).get("heldout", {})  # as the evaluator reached them
-            # Each production request (sent at, seconds, answered): runs of the same day compare window by window.
+            # Each production request (`Request`): runs of the same day compare window by window.
             out_dir.mkdir(parents=True, exist_ok=True)
             with pop._lock:
                 (out_dir / "requests.json").write_text(json.dumps(pop.requests))

@@ -47,7 +47,7 @@ def demo(out: Path, minutes: float, day_minutes: float, seed: int, heldout: int,
 def p99_within(run: Path, windows: list) -> float | None:
     """p99 of a run's answered production requests sent within `windows` ((start s, end s, replica))."""
     requests = json.loads((run / "requests.json").read_text())
-    return p99([seconds for at, seconds, ok in requests if ok and any(a <= at < b for a, b, _ in windows)])
+    return p99([seconds for at, seconds, ok, *_ in requests if ok and any(a <= at < b for a, b, _ in windows)])
 
 
 def fmt(x: float | None, unit: str = "") -> str:
@@ -65,6 +65,10 @@ def rows(a: dict, b: dict) -> list[tuple[str, str, str, str]]:
         ("production requests failed", f"{a['production_failed']} of {a['production_requests']}",
          f"{b['production_failed']} of {b['production_requests']}", "0"),
         ("latency p99 in peaks", fmt(lat_on["peak"], " s"), fmt(lat_off["peak"], " s"), "on <= 1.1x off"),
+        # The policies differ (one learned from rollouts too): the same work per request, for comparison.
+        ("... mean completion tokens", fmt(a.get("peak_completion_tokens")), fmt(b.get("peak_completion_tokens")), ""),
+        ("... p99 of those answered at full length", fmt(lat_on.get("peak_full_length"), " s"),
+         fmt(lat_off.get("peak_full_length"), " s"), ""),
         ("latency p99 lent / not lent", f"{fmt(lat_on['lent'], ' s')} / {fmt(lat_on['not_lent'], ' s')}", "",
          "<= 1.5x"),
         ("latency p99 in the lent periods' seconds", fmt(lat_on["lent"], " s"), fmt(b["p99_in_lent_periods_s"], " s"),
@@ -103,10 +107,11 @@ def main(minutes: float = typer.Option(8.0, help="Length of each run."),
         pairs.append((a, b))
     if runs > 1:
         slowest = [a["take_back_s"]["max"] for a, _ in pairs if a["take_back_s"]["max"] is not None]
-        ratios = [a["latency_p99_s"]["peak"] / b["latency_p99_s"]["peak"] for a, b in pairs
-                  if a["latency_p99_s"]["peak"] and b["latency_p99_s"]["peak"]]
-        console.print(f"peak p99 on / off per pair: {[round(r, 3) for r in ratios]}, median "
-                      f"{statistics.median(ratios):.3f}" if ratios else "no peak latency in any pair")
+        for measure, name in (("peak", "peak p99"), ("peak_full_length", "peak p99 at full length")):
+            ratios = [a["latency_p99_s"][measure] / b["latency_p99_s"][measure] for a, b in pairs
+                      if a["latency_p99_s"].get(measure) and b["latency_p99_s"].get(measure)]
+            console.print(f"{name} on / off per pair: {[round(r, 3) for r in ratios]}, median "
+                          f"{statistics.median(ratios):.3f}" if ratios else f"no {name} in any pair")
         lent = [a["latency_p99_s"]["lent"] / b["p99_in_lent_periods_s"] for a, b in pairs
                 if a["latency_p99_s"]["lent"] and b["p99_in_lent_periods_s"]]
         console.print(f"p99 in the lent periods, on / off over the same seconds, per pair: "

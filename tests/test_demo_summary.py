@@ -12,6 +12,7 @@ import pytest
 
 from app.demo import (
     Population,
+    Request,
     Tally,
     capacity_summary,
     day_load,
@@ -101,15 +102,17 @@ def test_a_simulated_day_has_a_trough_with_one_user_then_none_and_a_full_peak():
 def test_capacity_summary_splits_latency_by_lent_periods():
     pop = Population.__new__(Population)  # only what the summary reads: no stack needed
     pop._lock, pop.started, pop.load = threading.Lock(), 1_000.0, lambda t: 1.0 if t >= 25 else 0.0
-    # Requests sent at 5 s (lent: 1 s) and 30 s (not lent: 3 s), and one that failed.
-    pop.requests = [(5.0, 1.0, True), (30.0, 3.0, True), (31.0, 0.1, False)]
+    # Requests sent at 5 s (lent: 1 s) and 30 s (not lent: 3 s at 24 tokens, the longest; 4 s at 11), and one that failed.
+    pop.requests = [Request(5.0, 1.0, True, 24), Request(30.0, 3.0, True, 24), Request(30.5, 4.0, True, 11),
+                    Request(31.0, 0.1, False, 0)]
 
     def event(action: str, at: float, seconds: float = 0.0) -> CapacityEvent:
         return CapacityEvent(action=action, replica="replica-1", policy_version="v1", load=0.0, why="test",
                              seconds=seconds, timestamp=datetime.fromtimestamp(1_000.0 + at, timezone.utc))
     result = capacity_summary(pop, [event("lend", 2.0), event("take_back", 20.0, seconds=1.5)], {"groups": 3})
     assert result["lent"] == [(2.0, 20.0, "replica-1")]
-    assert result["latency_p99_s"] == {"lent": 1.0, "not_lent": 3.0, "peak": 3.0}
+    assert result["latency_p99_s"] == {"lent": 1.0, "not_lent": 4.0, "peak": 4.0, "peak_full_length": 3.0}
+    assert result["peak_completion_tokens"] == 17.5  # the peak's two answered requests
     assert result["take_back_s"]["max"] == 1.5 and result["production_failed"] == 1
     assert result["rollout_groups"] == 3 and result["lent_seconds"] == 18.0
 
