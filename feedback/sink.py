@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import time
 from contextlib import asynccontextmanager
 from datetime import datetime, timezone
 from typing import Any, Literal
@@ -43,6 +44,7 @@ from liverl.settings import Settings, get_settings
 
 GROUP = "liverl-sink"
 ROWS = Counter("liverl_sink_rows_total", "Rows stored by table and outcome", ["table", "outcome"])
+WRITES = Counter("liverl_sink_writes_total", "Inserts into ClickHouse by table", ["table"])
 STORED_OFFSET = Gauge("liverl_sink_committed", "Messages committed", ["topic"])
 logger = setup_logging("sink")
 
@@ -198,6 +200,7 @@ class Sink:
         fresh = [r for i, r in rows.items() if i not in stored]
         if fresh:
             self.warehouse.insert(table, fresh)
+            WRITES.labels(table).inc()
         ROWS.labels(table, "stored").inc(len(fresh))
         ROWS.labels(table, "duplicate").inc(len(messages) - len(fresh))
 
@@ -210,15 +213,36 @@ async def consume(settings: Settings, sink: Sink, stop: asyncio.Event) -> None:
     await consumer.start()
     try:
         while not stop.is_set():
-            batches = await consumer.getmany(timeout_ms=200, max_records=5000)
-            for tp, messages in batches.items():
-                await asyncio.to_thread(sink.store, tp.topic, [m.value for m in messages])
-            if batches:
+            by_topic = await gather(consumer, settings.warehouse.batch_s)
+            for topic, values in by_topic.items():
+                await asyncio.to_thread(sink.store, topic, values)
+            if by_topic:
                 await consumer.commit()
-                for tp, messages in batches.items():
-                    STORED_OFFSET.labels(tp.topic).inc(len(messages))
+                for topic, values in by_topic.items():
+                    STORED_OFFSET.labels(topic).inc(len(values))
     finally:
         await consumer.stop()
+
+
+async def gather(consumer: AIOKafkaConsumer, batch_s: float, most: int = 5000) -> dict[str, list[bytes]]:
+    """Each topic's messages that arrive within `batch_s` of the first (at most `most` in
+    all), from every partition: one write per topic, not one per partition and fetch.
+    A sample's revisions share a partition, so they keep their order."""
+    by_topic: dict[str, list[bytes]] = {}
+    deadline, count = None, 0
+    while count < most:
+        wait_s = 0.2 if deadline is None else deadline - time.monotonic()
+        if wait_s <= 0:
+            break
+        fetched = await consumer.getmany(timeout_ms=int(wait_s * 1000), max_records=most - count)
+        if not fetched and deadline is None:
+            break  # nothing at all: the caller looks at its stop event
+        for tp, messages in fetched.items():
+            by_topic.setdefault(tp.topic, []).extend(m.value for m in messages)
+            count += len(messages)
+        if deadline is None:
+            deadline = time.monotonic() + batch_s
+    return by_topic
 
 
 # ClickHouse's DateTime64 holds 1900-2299; the figures concern completions served since 1970.

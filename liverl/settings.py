@@ -81,14 +81,23 @@ BrokerConfig = Annotated[Union[EmbeddedBroker, KafkaBroker], Field(discriminator
 
 
 # --- ClickHouse ------------------------------------------------------------------------
-class ChdbWarehouse(Config):
+class WarehouseWrites(Config):
+    """How the sink writes, whichever ClickHouse it writes to."""
+
+    batch_s: float = Field(
+        0.5, ge=0, le=10, description="How long the sink gathers events before it writes them: ClickHouse "
+        "wants few large inserts, and each write costs a duplicate check and an insert, whatever its size.",
+    )
+
+
+class ChdbWarehouse(WarehouseWrites):
     """Embedded ClickHouse (chdb), owned by the sink process (one process per path)."""
 
     kind: Literal["chdb"] = "chdb"
     subdir: str = Field("chdb", description="Data path, relative to the data directory.")
 
 
-class ClickHouseServer(Config):
+class ClickHouseServer(WarehouseWrites):
     """A clickhouse-server reached with clickhouse-connect (production)."""
 
     kind: Literal["server"] = "server"

@@ -166,6 +166,27 @@ def test_duplicates_count_once_and_unknown_or_foreign_feedback_never_trains(
     assert sql(settings, f"SELECT count() AS n FROM samples WHERE sample_id = 'dev:{unknown_id}'") == [{"n": 0}]
 
 
+def sink_writes(settings, table: str) -> float:
+    metrics = httpx.get(settings.url(settings.ports.sink) + "/metrics/", timeout=10).text
+    prefix = f'liverl_sink_writes_total{{table="{table}"}} '
+    return sum(float(line.removeprefix(prefix)) for line in metrics.splitlines() if line.startswith(prefix))
+
+
+def test_events_arriving_together_reach_clickhouse_in_one_insert(settings, api):
+    """Each insert costs ClickHouse a part to merge, and the sink a duplicate check, whatever
+    its size: feedback sent one event at a time for a second is stored in a few inserts."""
+    before, sent = sink_writes(settings, "feedback_events"), []
+    for i in range(20):
+        sent.append(f"w-{uuid.uuid4().hex}")
+        api.post("/v1/ingestion", json={"batch": [item(sent[-1], {"kind": "accept",
+                                                                   "completion_id": f"cmpl-w-{i}"})]})
+        time.sleep(0.05)
+    quoted = ",".join(f"'{event_id}'" for event_id in sent)
+    wait_for(lambda: sql(settings, f"SELECT count() AS n FROM feedback_events WHERE event_id IN ({quoted})")
+             == [{"n": 20}])
+    assert sink_writes(settings, "feedback_events") - before <= 4
+
+
 def test_a_completion_takes_a_bounded_number_of_feedback_events(settings, openai_client, api):
     completion_id = openai_client.completions.create(
         model="liverl", prompt="y = ", max_tokens=4).model_extra["completion_id"]
