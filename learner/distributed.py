@@ -41,6 +41,9 @@ def main(
             trainer.export(out_dir, master)
             save_file({k: v.contiguous() for k, v in master.items()}, out_dir / MASTER_FILE)
             (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
+        # The others wait for rank 0's writing: a rank that tore gloo down and exited while
+        # rank 0 still wrote aborted once ("terminate called without an active exception").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
