@@ -352,7 +352,7 @@ def capacity_summary(pop: Population, events: list[CapacityEvent], rollouts: dic
     end_s = time.time() - pop.started
     lent = lent_intervals(events, pop.started, end_s)
     with pop._lock:
-        requests = [Request(*r) for r in pop.requests]
+        requests = list(pop.requests)
     answered = [r for r in requests if r.ok]
     during = [r.seconds for r in answered if any(a <= r.at < b for a, b, _ in lent)]
     outside = [r for r in answered if not any(a <= r.at < b for a, b, _ in lent)]

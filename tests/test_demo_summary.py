@@ -102,7 +102,8 @@ def test_a_simulated_day_has_a_trough_with_one_user_then_none_and_a_full_peak():
 def test_capacity_summary_splits_latency_by_lent_periods():
     pop = Population.__new__(Population)  # only what the summary reads: no stack needed
     pop._lock, pop.started, pop.load = threading.Lock(), 1_000.0, lambda t: 1.0 if t >= 25 else 0.0
-    # Requests sent at 5 s (lent: 1 s) and 30 s (not lent: 3 s at 24 tokens, the longest; 4 s at 11), and one that failed.
+    # Requests sent at 5 s (lent: 1 s) and 30 s (not lent: 3 s at 24 tokens, the longest;
+    # 4 s at 11), and one that failed.
     pop.requests = [Request(5.0, 1.0, True, 24), Request(30.0, 3.0, True, 24), Request(30.5, 4.0, True, 11),
                     Request(31.0, 0.1, False, 0)]
 
