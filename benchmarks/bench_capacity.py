@@ -6,7 +6,8 @@ production again; p99 over the run's take-backs, target 2 s) and production requ
 (target 0); production latency p99 in peaks with lending on vs off (within 10%) and while a
 replica is lent vs the run's unlent periods and vs lending off over the same seconds (at
 most 1.5x); harvest, rollout tokens/s over all lent time vs a lent replica alone with no
-production traffic, from the same run (at least 80%).
+production traffic, from the same run (at least 80%). Each run's component logs (the
+capacity scheduler's events, the gateway's) are kept in its folder's `run/`.
 
     .venv/bin/python benchmarks/bench_capacity.py --minutes 8 --day-minutes 4 --out bench-capacity
     .venv/bin/python benchmarks/bench_capacity.py --runs 3 --out bench-capacity/three   # pairs, for the spread
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import time
@@ -25,7 +27,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from app.demo import p99
+from app.demo import demo_settings, p99
 
 ROOT = Path(__file__).resolve().parents[1]
 console = Console()
@@ -39,6 +41,9 @@ def demo(out: Path, minutes: float, day_minutes: float, seed: int, heldout: int,
                         "--day-minutes", str(day_minutes), "--seed", str(seed), "--heldout", str(heldout),
                         "--out", str(out)], cwd=ROOT, env=dict(os.environ, **env), stdout=log,
                        stderr=subprocess.STDOUT, check=True)
+    # Both runs of a pair use the demo's data directory: keep this run's logs beside its results.
+    shutil.copytree(demo_settings(day=True).run_dir, out / "run", dirs_exist_ok=True,
+                    ignore=shutil.ignore_patterns("locks", "replicas", "*.lock"))
     result = json.loads((out / "summary.json").read_text())
     result["wall_s"] = time.time() - started
     return result
