@@ -89,6 +89,8 @@ class Request(NamedTuple):
     seconds: float  # until the answer, or the failure
     ok: bool  # answered
     completion_tokens: int  # what the policy answered with: its length sets how long a request takes
+    replica: str = ""  # which answered (the gateway's x-liverl-replica)
+    retries: int = 0  # the client's own retries: an answer after one hides a failure
 
 
 @dataclass
@@ -160,7 +162,8 @@ class Population:
             completion = raw.parse()
             with self._lock:
                 self.requests.append(Request(sent - self.started, answered_in, True,
-                                             completion.usage.completion_tokens if completion.usage else 0))
+                                             completion.usage.completion_tokens if completion.usage else 0,
+                                             raw.headers.get("x-liverl-replica", ""), raw.retries_taken))
             version = raw.headers["x-liverl-policy-version"]
             ok = hidden_rule(prompt, completion.choices[0].text)
             (self.feedback.accept if ok else self.feedback.reject)(completion.model_extra["completion_id"])
@@ -354,6 +357,9 @@ def capacity_summary(pop: Population, events: list[CapacityEvent], rollouts: dic
     with pop._lock:
         requests = list(pop.requests)
     answered = [r for r in requests if r.ok]
+    # Sent and answered while the replica that answered was lent: the router let production in.
+    on_lent = [r for r in answered if any(name == r.replica and a <= r.at and r.at + r.seconds <= b
+                                          for a, b, name in lent)]
     during = [r.seconds for r in answered if any(a <= r.at < b for a, b, _ in lent)]
     outside = [r for r in answered if not any(a <= r.at < b for a, b, _ in lent)]
     # Peaks: at least 3/4 of the users active, every replica back in production.
@@ -367,6 +373,8 @@ def capacity_summary(pop: Population, events: list[CapacityEvent], rollouts: dic
             "take_back_steps": [e.steps for e in events if e.action == "take_back"],
             "lent_seconds": sum(b - a for a, b, _ in lent),
             "production_requests": len(requests), "production_failed": sum(not r.ok for r in requests),
+            "production_retried": sum(r.ok and r.retries > 0 for r in requests),
+            "production_on_lent_replica": len(on_lent),
             "latency_p99_s": {"lent": p99(during), "not_lent": p99([r.seconds for r in outside]),
                               "peak": p99([r.seconds for r in peak]),
                               "peak_full_length": p99([r.seconds for r in peak if r.completion_tokens == full_length])},

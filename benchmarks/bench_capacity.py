@@ -69,6 +69,10 @@ def rows(a: dict, b: dict) -> list[tuple[str, str, str, str]]:
          "0"),
         ("production requests failed", f"{a['production_failed']} of {a['production_requests']}",
          f"{b['production_failed']} of {b['production_requests']}", "0"),
+        # The users' client retries (as a product's would): an answer after a retry hid a failure.
+        ("... answered only after a client retry", str(a.get("production_retried", "-")),
+         str(b.get("production_retried", "-")), "0"),
+        ("production requests answered by a lent replica", str(a.get("production_on_lent_replica", "-")), "", "0"),
         ("latency p99 in peaks", fmt(lat_on["peak"], " s"), fmt(lat_off["peak"], " s"), "on <= 1.1x off"),
         # The policies differ (one learned from rollouts too): the same work per request, for comparison.
         ("... mean completion tokens", fmt(a.get("peak_completion_tokens")), fmt(b.get("peak_completion_tokens")), ""),

@@ -427,7 +427,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         completion_id = new_id("cmpl")
         http = client_for(replica)
         path = f"/v1/{'chat/completions' if chat else 'completions'}"
-        headers = {"x-liverl-policy-version": replica.policy_version, "x-liverl-completion-id": completion_id}
+        headers = {"x-liverl-policy-version": replica.policy_version, "x-liverl-completion-id": completion_id,
+                   "x-liverl-replica": replica.name}
         forwarded = http.build_request("POST", path, json=upstream_body(body, chat))
         router.inflight[replica.name] += 1
         released = False

@@ -37,6 +37,9 @@ def test_completion_feedback_reward_row_in_clickhouse(settings, openai_client, d
     completion = raw.parse()
     completion_id = completion.model_extra["completion_id"]
     served_by = raw.headers["x-liverl-policy-version"]
+    # Which replica answered, for an operator following one request (and the day's check
+    # that production never reached a lent replica).
+    assert raw.headers["x-liverl-replica"] in {r.name for r in read_pool(settings).replicas}
     with FeedbackClient(settings.url(settings.ports.api), dev_keys["tenant_key"]) as client:
         client.accept(completion_id)
     assert client.rejected == []

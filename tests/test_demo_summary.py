@@ -104,8 +104,8 @@ def test_capacity_summary_splits_latency_by_lent_periods():
     pop._lock, pop.started, pop.load = threading.Lock(), 1_000.0, lambda t: 1.0 if t >= 25 else 0.0
     # Requests sent at 5 s (lent: 1 s) and 30 s (not lent: 3 s at 24 tokens, the longest;
     # 4 s at 11), and one that failed.
-    pop.requests = [Request(5.0, 1.0, True, 24), Request(30.0, 3.0, True, 24), Request(30.5, 4.0, True, 11),
-                    Request(31.0, 0.1, False, 0)]
+    pop.requests = [Request(5.0, 1.0, True, 24, "replica-0"), Request(30.0, 3.0, True, 24, "replica-1"),
+                    Request(30.5, 4.0, True, 11, "replica-0"), Request(31.0, 0.1, False, 0)]
 
     def event(action: str, at: float, seconds: float = 0.0) -> CapacityEvent:
         return CapacityEvent(action=action, replica="replica-1", policy_version="v1", load=0.0, why="test",
@@ -136,3 +136,21 @@ def test_a_failed_take_back_keeps_the_replica_lent_until_the_retry_and_counts_fr
     events = [event("lend", 10.0), event("take_back", 20.0, 1.0, error="swap failed"), event("take_back", 31.0, 0.5)]
     assert lent_intervals(events, 0.0, 40.0) == [(10.0, 31.0, "replica-1")]
     assert take_back_seconds(events) == [12.0]  # asked at 19 s, serving production at 31 s
+
+
+def test_capacity_summary_counts_production_answered_by_a_lent_replica_and_retried_requests():
+    """The day's evidence that production never went to a lent replica, and that its "0
+    failed" is not a client quietly retrying: both are counted, not assumed."""
+    pop = Population.__new__(Population)
+    pop._lock, pop.started, pop.load = threading.Lock(), 1_000.0, lambda t: 0.0
+    pop.requests = [Request(5.0, 1.0, True, 24, "replica-0"),
+                    Request(6.0, 0.5, True, 24, "replica-1"),  # sent and answered while replica-1 was lent
+                    Request(19.9, 0.5, True, 24, "replica-1"),  # answered after it came back
+                    Request(7.0, 0.9, True, 24, "replica-0", retries=1)]
+
+    def event(action: str, at: float) -> CapacityEvent:
+        return CapacityEvent(action=action, replica="replica-1", policy_version="v1", load=0.0, why="test",
+                             seconds=0.1, timestamp=datetime.fromtimestamp(1_000.0 + at, timezone.utc))
+    result = capacity_summary(pop, [event("lend", 2.0), event("take_back", 20.0)], {})
+    assert result["production_on_lent_replica"] == 1
+    assert result["production_retried"] == 1 and result["production_failed"] == 0
