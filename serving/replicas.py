@@ -109,17 +109,20 @@ def wait_replica(settings: Settings, replica: Replica, process: subprocess.Popen
         raise ReplicaError(f"{replica.name}: vLLM did not become healthy serving {replica.policy_version}; "
                            f"see {settings.run_dir / f'{replica.name}-{replica.policy_version}.log'}")
     try:
-        warm_replica(replica.url)
+        answer = warm_replica(replica.url)
     except httpx.HTTPError as error:
         raise ReplicaError(f"{replica.name}: healthy, but its first request failed: {error!r}") from None
+    if answer.status_code != 200:
+        raise ReplicaError(f"{replica.name}: healthy, but its first request was answered {answer.status_code}: "
+                           f"{answer.text[:300]}; see {settings.run_dir / f'{replica.name}-{replica.policy_version}.log'}")
 
 
-def warm_replica(url: str) -> None:
+def warm_replica(url: str) -> httpx.Response:
     """One short completion with the logprobs and token ids the gateway asks for: vLLM's
     first such request is slow (0.13 s against 0.04 s after it on the CPU), and the first
-    user should not pay for it."""
+    user should not pay for it. A replica that refuses it would refuse every user."""
     with replica_client(url, timeout=60) as http:
-        http.post("/v1/completions", json=upstream_body({"prompt": "def", "max_tokens": 2}, chat=False))
+        return http.post("/v1/completions", json=upstream_body({"prompt": "def", "max_tokens": 2}, chat=False))
 
 
 class ReplicaError(RuntimeError):
