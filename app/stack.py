@@ -234,7 +234,7 @@ def up(settings: Settings, say: Callable[[str], None] = print, progress: bool = 
             launcher.python("learner", settings.ports.learner)
         launcher.python("controller", settings.ports.controller)
         if settings.capacity.enabled:
-            launcher.python("rollouts", settings.ports.rollouts)
+            launcher.python("rollouts", settings.ports.rollouts, nice=settings.rollouts.nice)
             launcher.python("capacity", settings.ports.capacity)
             if settings.rollouts.heldout_every_s is not None:
                 launcher.python("evaluator", settings.ports.evaluator, nice=19)

@@ -482,6 +482,9 @@ class RolloutsConfig(Config):
     tenant: str = Field("rollouts", pattern=r"^[A-Za-z0-9._\-]+$", description="The tenant rollouts are "
                         "recorded under (kept apart from production in every table).")
     scoring_threads: int = Field(4, ge=1, description="Completions scored at once in the sandbox.")
+    nice: int = Field(10, ge=0, le=19, description="CPU niceness of the rollout worker and its sandboxes (of "
+                      "its whole session, where the kernel schedules sessions as groups): on shared cores, "
+                      "production and the take-back that returns a replica to it answer first.")
     groups_in_flight: int = Field(2, ge=1, le=64, description="Groups a lent replica works on at once: while "
                                   "one is scored, the next is sampled.")
     context_tokens: int | None = Field(None, ge=16, description="Multi-turn environments: the longest context "
