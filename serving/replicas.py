@@ -104,17 +104,18 @@ def launch_replica(settings: Settings, name: str, model_dir: Path, url: str,
 
 def wait_replica(settings: Settings, replica: Replica, process: subprocess.Popen) -> None:
     """Wait until the replica is healthy and has answered one request as the gateway asks them."""
+    log = settings.run_dir / f"{replica.name}-{replica.policy_version}.log"
     healthy = wait_until(lambda: replica_healthy(replica.url), settings.serving.start_timeout_s, process)
     if not healthy:
         raise ReplicaError(f"{replica.name}: vLLM did not become healthy serving {replica.policy_version}; "
-                           f"see {settings.run_dir / f'{replica.name}-{replica.policy_version}.log'}")
+                           f"see {log}")
     try:
         answer = warm_replica(replica.url)
     except httpx.HTTPError as error:
         raise ReplicaError(f"{replica.name}: healthy, but its first request failed: {error!r}") from None
     if answer.status_code != 200:
         raise ReplicaError(f"{replica.name}: healthy, but its first request was answered {answer.status_code}: "
-                           f"{answer.text[:300]}; see {settings.run_dir / f'{replica.name}-{replica.policy_version}.log'}")
+                           f"{answer.text[:300]}; see {log}")
 
 
 def warm_replica(url: str) -> httpx.Response:
