@@ -47,7 +47,8 @@ console = Console()
 # back) ended at +22.0 to +24.5, 1.25e-4 at +29.5 to +33.5 (docs/benchmarks.md, "Production
 # first at the take-back"); #12's adaptive step from 6e-4 did not learn from rollouts.
 # Groups whose rewards are all equal are dropped (nothing to learn; they would fill a
-# version's batch). The demo's day trains on the wide pool of parameter names (`rollouts.train_params`), and the starter
+# version's batch). The demo's day trains on the wide pool of parameter names
+# (`rollouts.train_params`), and the starter
 # copies names of several tokens: each held-out task passes or fails by its name, and the
 # twelve one-token training names could not teach `word` (two tokens) or names the starter
 # confuses: +18.5 to +25.0 before, +35.5 with both (docs/benchmarks.md, "What the update may
