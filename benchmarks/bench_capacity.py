@@ -49,10 +49,14 @@ def demo(out: Path, minutes: float, day_minutes: float, seed: int, heldout: int,
     return result
 
 
-def p99_within(run: Path, windows: list) -> float | None:
-    """p99 of a run's answered production requests sent within `windows` ((start s, end s, replica))."""
+def latencies_within(run: Path, windows: list) -> list[float]:
+    """Latencies of a run's answered production requests sent within `windows` ((start s, end s, replica))."""
     requests = json.loads((run / "requests.json").read_text())
-    return p99([seconds for at, seconds, ok, *_ in requests if ok and any(a <= at < b for a, b, _ in windows)])
+    return [seconds for at, seconds, ok, *_ in requests if ok and any(a <= at < b for a, b, _ in windows)]
+
+
+def p99_within(run: Path, windows: list) -> float | None:
+    return p99(latencies_within(run, windows))
 
 
 def fmt(x: float | None, unit: str = "") -> str:
