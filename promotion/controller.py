@@ -49,7 +49,7 @@ from policies.registry import REJECTED, AliasMove, Pin, PolicyVersion, Registry
 from promotion.dashboard import Operator, mount_dashboard
 from promotion.promoter import Promoter
 from promotion.reports import ReportError, SinkError, diff, history, served_at
-from promotion.sequential import Arm, Comparison, compare, confidence_sequence, verdict_in_sight
+from promotion.sequential import Arm, Comparison, compare, confidence_sequence, paired_loss_p, verdict_in_sight
 from sync.replica import ReplicaSync
 
 ACTOR = "controller"
@@ -108,6 +108,8 @@ class Controller:
         self.last_error: str | None = None
         self.waiting: str | None = None  # the candidate that waits, logged once
         self.next_slide_check = 0.0
+        self.heldout_checked: str | None = None  # the stable the held-out watch last compared
+        self.heldout_regressed = False  # ... and whether it had lost the skill (alerted once per spell)
         self.quiet = (QuietWatch(self.config.quiet_canary_s, self.config.quiet_requests_per_s)
                       if self.config.quiet_canary_s else None)
         # One change at a time: the loop's look and on-call's commands (the admin API).
@@ -193,6 +195,8 @@ class Controller:
 
     # --- one look ----------------------------------------------------------------------------
     def step(self) -> None:
+        if self.config.heldout_watch:
+            self.watch_heldout()
         if canaries := self.registry.in_state("canary"):
             for older in canaries[:-1]:  # one canary at a time; a crash may have left two
                 self.promoter.abort(older.version, ACTOR, f"{canaries[-1].version} is the canary")
@@ -480,6 +484,39 @@ class Controller:
         self.state = f"rolling back {stable.version} to {best[0]}"
         self.promoter.rollback(ACTOR, reason, to=best[0])
         self.alert("stable_rolled_back", stable.version, reason, restored=best[0])
+
+    def watch_heldout(self) -> None:
+        """Stable's held-out pass rate against the best earlier stable's, task by task, once
+        per stable the evaluator scored. A version can please production's users and still
+        have lost a skill rollouts taught (the demo's day does: coding falls from 16% to
+        0-4%), and the canary guard, which compares production traffic, cannot see it. It
+        alerts, and does not roll back: which of the two matters more is on-call's call."""
+        stable = self.registry.stable()
+        scored = (stable.metrics.get("heldout") or {}) if stable else {}
+        if "solved" not in scored or stable.version == self.heldout_checked:
+            return
+        self.heldout_checked = stable.version
+        earlier = {v: self.registry.get(v).metrics.get("heldout") or {}
+                   for v, _, _ in self.stable_periods() if v != stable.version}
+        same_tasks = {v: f for v, f in earlier.items() if f.get("task_set") == scored["task_set"] and "solved" in f}
+        same_tasks = dict(list(same_tasks.items())[-self.config.slide_lookback:])  # the most recent scored
+        if not same_tasks:
+            return
+        best = max(same_tasks, key=lambda v: same_tasks[v]["pass_rate"])
+        pairs = list(zip(same_tasks[best]["solved"], scored["solved"]))
+        lost, gained = pairs.count(("1", "0")), pairs.count(("0", "1"))
+        p = paired_loss_p(lost, gained)
+        level = self.config.false_abort_rate / len(same_tasks)  # the best of several: Bonferroni
+        drop = same_tasks[best]["pass_rate"] - scored["pass_rate"]
+        regressed = drop > self.config.heldout_margin and p < level
+        if regressed:
+            reason = (f"held-out pass rate {scored['pass_rate']:.3f} against {best}'s "
+                      f"{same_tasks[best]['pass_rate']:.3f} on the same {len(pairs)} tasks ({lost} lost, "
+                      f"{gained} gained; p {p:.2g} < {level:.2g}): more than {self.config.heldout_margin} below")
+            self.registry.record_event(stable.version, "heldout_regression", ACTOR, reason)
+            if not self.heldout_regressed:
+                self.alert("heldout_regression", stable.version, reason, best=best, lost=lost, gained=gained)
+        self.heldout_regressed = regressed
 
     def run(self, stop: threading.Event) -> None:
         while not stop.is_set():

@@ -182,3 +182,14 @@ def wilson(accepted: int, n: int, z: float = 1.96) -> tuple[float, float]:
     centre = (p + z * z / (2 * n)) / (1 + z * z / n)
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
     return max(centre - half, 0.0), min(centre + half, 1.0)
+
+
+def paired_loss_p(lost: int, gained: int) -> float:
+    """One-sided exact sign test (McNemar's, exact) for two versions scored on the same
+    tasks: of the tasks exactly one of them solves, `lost` only the first solves and
+    `gained` only the second. Under "neither is better" each such task goes either way
+    with probability 1/2, so this is P(X >= lost), X ~ Binomial(lost + gained, 1/2): the
+    chance of losing at least this many by luck alone. Tasks both (or neither) solve say
+    nothing about the difference and do not count."""
+    n = lost + gained
+    return sum(math.comb(n, k) for k in range(lost, n + 1)) / 2 ** n

@@ -22,12 +22,17 @@ def first_lines(model, tokenizer, task: Task, samples: int, greedy: bool, max_to
     return [tokenizer.decode(row[ids.shape[1]:]).split("\n")[0] for row in out]
 
 
-def greedy_pass_rate(model_dir: Path, environment: Environment, tasks: list[Task], max_tokens: int = 16,
-                     scoring_threads: int = 2) -> float:
-    """The share of `tasks` the policy at `model_dir` solves with its greedy completion."""
+def greedy_solved(model_dir: Path, environment: Environment, tasks: list[Task], max_tokens: int = 16,
+                  scoring_threads: int = 2) -> list[bool]:
+    """Whether the policy at `model_dir` solves each of `tasks` with its greedy completion."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         lines = [first_lines(model, tokenizer, task, 1, True, max_tokens)[0] for task in tasks]
     with ThreadPoolExecutor(scoring_threads) as scoring:
-        return sum(scoring.map(environment.solved, tasks, lines)) / len(tasks)
+        return list(scoring.map(environment.solved, tasks, lines))
+
+
+def greedy_pass_rate(model_dir: Path, environment: Environment, tasks: list[Task], max_tokens: int = 16) -> float:
+    """The share of `tasks` the policy at `model_dir` solves with its greedy completion."""
+    return sum(greedy_solved(model_dir, environment, tasks, max_tokens)) / len(tasks)

@@ -1,17 +1,19 @@
-"""The held-out evaluator: while rollouts run, the learner's newest version is scored
-greedily on the environment's held-out tasks (never trained on), every
-`rollouts.heldout_every_s`, so learning from rollouts can be followed as it happens and
-not only afterwards. Each figure goes into the version's metrics (`heldout`: pass rate,
-tasks, seconds), so `liverl policy show` and the demo's live table have it, and
+"""The held-out evaluator: while rollouts run, a version is scored greedily on the
+environment's held-out tasks (never trained on) every `rollouts.heldout_every_s`: each
+stable version once (what users get, which the controller's skill watch compares), else
+the learner's newest, so learning from rollouts can be followed as it happens and not
+only afterwards. Each figure goes into the version's metrics (`heldout`: pass rate, the
+tasks solved, seconds), so `liverl policy show` and the demo's live table have it, and
 ClickHouse's `policy_versions` from the version's next change of state.
 
 It is the one component that may wait: it runs at the lowest CPU priority on one
 thread, so production and rollouts keep the cores, and it skips versions it had no turn
-for (the newest is what matters). The starter is evaluated first: the baseline.
+for. The starter is evaluated first: the baseline.
 """
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 from pathlib import Path
@@ -24,7 +26,7 @@ from liverl.process import serve_beside
 from liverl.settings import Settings, get_settings
 from policies.registry import Registry
 from rollouts.environment import configured_environment
-from rollouts.evaluate import greedy_pass_rate
+from rollouts.evaluate import greedy_solved
 
 logger = setup_logging("evaluator")
 
@@ -35,24 +37,31 @@ class Evaluator:
         self.registry = Registry(settings.policies_dir)
         self.environment = configured_environment(self.config)
         self.tasks = self.environment.heldout(self.config.heldout_tasks)
+        # Names these tasks, so only figures on the same ones are compared task by task.
+        self.task_set = hashlib.sha256("\n".join(t.task_id for t in self.tasks).encode()).hexdigest()[:16]
         self.results: dict[str, float] = {}  # version -> held-out pass rate, in the order measured
 
     def step(self) -> dict | None:
-        """The newest version's held-out figures, if it has none yet (recorded too)."""
-        newest = self.registry.head() or self.registry.stable()
-        if newest is None or "heldout" in newest.metrics:
+        """Stable's held-out figures if it has none yet, else the newest version's (recorded too)."""
+        stable = self.registry.stable()
+        unscored = [v for v in (stable, self.registry.head()) if v is not None and "heldout" not in v.metrics]
+        if not unscored:
             return None
+        version = unscored[0]
         started = time.time()
         try:
-            rate = greedy_pass_rate(Path(newest.model_dir), self.environment, self.tasks)
+            solved = greedy_solved(Path(version.model_dir), self.environment, self.tasks)
         except OSError as error:  # its weights removed by retention meanwhile: the next one, then
-            log(logger, "could not evaluate", version=newest.version, error=repr(error))
+            log(logger, "could not evaluate", version=version.version, error=repr(error))
             return None
-        figures = {"pass_rate": rate, "tasks": len(self.tasks), "seconds": time.time() - started,
-                   "evaluated_at": time.time()}
-        self.registry.update_metrics(newest.version, heldout=figures)
-        self.results[newest.version] = rate
-        log(logger, "evaluated", version=newest.version, **figures)
+        # Which tasks, not only how many: two versions are compared task by task (paired).
+        figures = {"pass_rate": sum(solved) / len(solved), "tasks": len(solved),
+                   "solved": "".join("1" if s else "0" for s in solved), "task_set": self.task_set,
+                   "seconds": time.time() - started, "evaluated_at": time.time()}
+        self.registry.update_metrics(version.version, heldout=figures)
+        self.results[version.version] = figures["pass_rate"]
+        log(logger, "evaluated", version=version.version, pass_rate=figures["pass_rate"],
+            seconds=round(figures["seconds"], 1))
         return figures
 
     def run(self, stop: threading.Event) -> None:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -35,6 +37,24 @@ def wait_for(predicate: Callable[[], object], timeout: float = 30.0, interval: f
             return result
         time.sleep(interval)
     raise AssertionError(f"condition not met within {timeout} s")
+
+
+def alert_receiver() -> tuple[list[dict], ThreadingHTTPServer]:
+    """A webhook endpoint on a free port that keeps every alert POSTed to it."""
+    alerts: list[dict] = []
+
+    class Receiver(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            alerts.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(204)
+            self.end_headers()
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Receiver)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return alerts, server
 
 
 def learner_health(settings) -> dict | None:

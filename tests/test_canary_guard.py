@@ -11,12 +11,11 @@ import shutil
 import signal
 import threading
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
 import pytest
-from helpers import controller_idle, item, learner_health, restart_component, wait_for
+from helpers import alert_receiver, controller_idle, item, learner_health, restart_component, wait_for
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
@@ -65,24 +64,6 @@ def users(settings, key: str, marker: str, stop: threading.Event, served: dict[s
         served.setdefault(response.headers["x-liverl-policy-version"], []).append(ok)
         api.post("/v1/ingestion", json={"batch": [item(f"f-{uuid.uuid4().hex}", {
             "kind": "accept" if ok else "reject", "completion_id": body["completion_id"]})]})
-
-
-def alert_receiver() -> tuple[list[dict], ThreadingHTTPServer]:
-    """A webhook endpoint on a free port that keeps every alert POSTed to it."""
-    alerts: list[dict] = []
-
-    class Receiver(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            alerts.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-            self.send_response(204)
-            self.end_headers()
-
-        def log_message(self, *args) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Receiver)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return alerts, server
 
 
 def test_a_clearly_worse_canary_is_aborted_and_the_learner_rewinds(settings, stack, dev_keys):

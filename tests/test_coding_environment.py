@@ -114,9 +114,10 @@ def test_environments_load_by_name_or_module_path():
         load_environment("nonesuch")
 
 
-def test_the_evaluator_scores_each_newest_version_once_into_its_metrics(tmp_path, starter_dir):
-    """While rollouts run, the newest version's held-out pass rate is recorded on it (the
-    live table and `liverl policy show` read it); each version once."""
+def test_the_evaluator_scores_stable_then_the_newest_version_once_into_its_metrics(tmp_path, starter_dir):
+    """While rollouts run, held-out figures are recorded on each stable version (what the
+    held-out watch compares) and the newest (the live table and `liverl policy show` read
+    them); each version once, and which tasks it solved, so two can be compared task by task."""
     import shutil
 
     from liverl.settings import RolloutsConfig, Settings
@@ -126,17 +127,26 @@ def test_the_evaluator_scores_each_newest_version_once_into_its_metrics(tmp_path
     settings = Settings(data_dir=tmp_path, rollouts=RolloutsConfig(levels=[1], heldout_tasks=6))
     registry = Registry(settings.policies_dir)
 
-    def publish():
+    def publish(state: str = "candidate"):
         staged = tmp_path / f"staged-{len(registry.versions())}"
         shutil.copytree(starter_dir, staged)
-        return registry.publish(staged, parent=None, window=None, metrics={}, sample_ids=[], actor="test").version
-    first = publish()
+        return registry.publish(staged, parent=None, window=None, metrics={}, sample_ids=[], actor="test",
+                                state=state).version
+    first = publish("stable")
     evaluator = Evaluator(settings)
     figures = evaluator.step()
-    assert figures["tasks"] == 6 and 0.0 <= figures["pass_rate"] <= 1.0
+    assert figures["tasks"] == 6 and len(figures["solved"]) == 6 and set(figures["solved"]) <= {"0", "1"}
+    assert figures["pass_rate"] == figures["solved"].count("1") / 6
     assert registry.get(first).metrics["heldout"]["pass_rate"] == figures["pass_rate"]
     assert evaluator.step() is None  # measured already
     second = publish()
     assert evaluator.step() is not None and list(evaluator.results) == [first, second]
-    # The same tasks every time.
+    third, newest = publish(), publish()
+    registry.transition(third, "canary", "test", "gate passed")
+    registry.transition(first, "superseded", "test", f"{third} promoted")
+    registry.transition(third, "stable", "test", "non-inferior")
+    evaluator.step(), evaluator.step()  # the new stable first, though a newer version waits
+    assert list(evaluator.results) == [first, second, third, newest]
+    # The same tasks every time, named so that only figures on the same ones are compared.
+    assert registry.get(newest).metrics["heldout"]["task_set"] == Evaluator(settings).task_set
     assert [t.task_id for t in evaluator.tasks] == [t.task_id for t in Evaluator(settings).tasks]

@@ -1,0 +1,89 @@
+"""The held-out watch: a stable version whose held-out pass rate is surely below the best
+recent stable's, task by task on the same tasks, is named in its history and on-call is
+alerted once per spell; a drop within the noise, or figures on other tasks, say nothing."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from helpers import alert_receiver, wait_for
+
+from liverl.settings import PromotionConfig, Settings
+from policies.registry import Registry
+from promotion.controller import Controller
+from promotion.sequential import paired_loss_p
+
+
+def test_the_sign_test_counts_only_the_tasks_one_version_solves():
+    assert paired_loss_p(0, 0) == 1.0  # nothing differs: no evidence
+    assert paired_loss_p(5, 0) == 1 / 32  # five lost, none gained: 1/2 ** 5 by luck
+    assert paired_loss_p(3, 1) == 5 / 16  # P(X >= 3), X ~ Binomial(4, 1/2)
+    assert paired_loss_p(5, 5) > 0.5  # as many gained as lost
+
+
+class Stables:
+    """A registry where each new version the evaluator scored is promoted over the last,
+    and the controller's held-out watch looks at it."""
+
+    def __init__(self, tmp_path, starter_dir, **promotion):
+        self.alerts, self.webhook = alert_receiver()
+        settings = Settings(data_dir=tmp_path, promotion=PromotionConfig(
+            alert_webhook=f"http://127.0.0.1:{self.webhook.server_port}/alerts", **promotion))
+        self.tmp_path, self.starter_dir = tmp_path, starter_dir
+        self.registry = Registry(settings.policies_dir)
+        self.controller = Controller(settings)
+
+    def promote(self, solved: str, task_set: str = "these-tasks") -> str:
+        staged = self.tmp_path / f"staged-{len(self.registry.versions())}"
+        shutil.copytree(self.starter_dir, staged)
+        old = self.registry.stable()
+        version = self.registry.publish(staged, parent=old.version if old else None, window=None, metrics={},
+                                        sample_ids=[], actor="test", state="candidate" if old else "stable").version
+        if old:
+            self.registry.transition(version, "canary", "test", "gate passed")
+            self.registry.transition(old.version, "superseded", "test", f"{version} promoted")
+            self.registry.transition(version, "stable", "test", "non-inferior")
+        self.registry.update_metrics(version, heldout={
+            "pass_rate": solved.count("1") / len(solved), "tasks": len(solved), "solved": solved, "task_set": task_set})
+        self.controller.watch_heldout()
+        return version
+
+    def regressions(self, version: str) -> list[str]:
+        return [e["reason"] for e in self.registry.history(version) if e["to"] == "heldout_regression"]
+
+
+def test_a_stable_that_lost_the_held_out_skill_is_alerted_once_per_spell(tmp_path, starter_dir):
+    stables = Stables(tmp_path, starter_dir)
+    skilled = "1" * 10 + "0" * 10
+    first = stables.promote(skilled)
+    assert stables.regressions(first) == []  # nothing earlier to compare with
+    assert stables.regressions(stables.promote("0011111111" + "0" * 10)) == []  # two lost: p 1/4, noise
+
+    gone = stables.promote("0" * 20)  # all ten lost, none gained: p 1/1024
+    assert "10 lost, 0 gained" in stables.regressions(gone)[0] and first in stables.regressions(gone)[0]
+    alert = wait_for(lambda: stables.alerts and stables.alerts[0], timeout=10)
+    assert alert["event"] == "heldout_regression" and alert["version"] == gone
+    assert alert["best"] == first and alert["lost"] == 10 and alert["gained"] == 0
+
+    # Scored on other tasks (the environment or heldout_tasks changed): not compared.
+    assert stables.regressions(stables.promote("0" * 20, task_set="other-tasks")) == []
+    still = stables.promote("0" * 20)  # the same spell: in its history, no second alert
+    assert stables.regressions(still)
+    assert stables.regressions(stables.promote(skilled)) == []  # the skill back: the spell ends
+    again = stables.promote("0" * 20)  # a new spell: alerted again
+    assert stables.regressions(again)
+    wait_for(lambda: len(stables.alerts) == 2, timeout=10)
+    assert [a["version"] for a in stables.alerts] == [gone, again]
+    stables.webhook.shutdown()
+
+
+@pytest.mark.parametrize("earlier, alerted", [(1, True), (2, False)])
+def test_the_best_of_several_stables_is_compared_at_a_stricter_level(tmp_path, starter_dir, earlier, alerted):
+    """Five of five lost is p 1/32: below 0.05 against one earlier stable, not against
+    the best of two (Bonferroni: 0.025), since the best of several looks better by luck."""
+    stables = Stables(tmp_path, starter_dir)
+    for _ in range(earlier):
+        stables.promote("11111")
+    assert bool(stables.regressions(stables.promote("00000"))) is alerted
+    stables.webhook.shutdown()
