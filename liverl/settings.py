@@ -406,12 +406,13 @@ class PromotionConfig(Config):
                                    "accept rate is surely more than this below that version's.")
     slide_min_samples: int = Field(200, ge=10, description="Judged completions of each before the slide guard "
                                    "compares two stables.")
-    heldout_watch: bool = Field(True, description="Alert (`heldout_regression`) when stable's held-out pass rate "
-                                "(the evaluator's: rollouts.heldout_every_s) is surely more than heldout_margin "
-                                "below the best earlier stable's on the same tasks: production feedback training "
-                                "away a skill rollouts taught, which the canary guard (production only) cannot see.")
-    heldout_margin: Fraction = Field(0.05, description="How far stable's held-out pass rate may fall below the "
-                                     "best earlier stable's before the held-out watch alerts.")
+    heldout_watch: bool = Field(True, description="Alert (`heldout_regression`) when a stable version's "
+                                "held-out pass rate (the evaluator's: rollouts.heldout_every_s) is surely more than "
+                                "heldout_margin below the best of the slide_lookback scored before it, on the same "
+                                "tasks: production feedback training away a skill rollouts taught, which the canary "
+                                "guard (production only) cannot see.")
+    heldout_margin: Fraction = Field(0.05, description="How far a stable version's held-out pass rate may fall "
+                                     "below the best earlier one's before the held-out watch alerts.")
     tenant_min_samples: int = Field(100, ge=10, description="Judged completions per arm before one tenant's "
                                     "traffic is compared on its own (fewer: it counts in the total only).")
     error_check: bool = Field(True, description="A canary whose server-error rate is surely above stable's "

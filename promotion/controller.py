@@ -108,6 +108,7 @@ class Controller:
         self.last_error: str | None = None
         self.waiting: str | None = None  # the candidate that waits, logged once
         self.next_slide_check = 0.0
+        self.next_heldout_check = 0.0
         self.heldout_checked: str | None = None  # the stable the held-out watch last compared
         self.heldout_regressed = False  # ... and whether it had lost the skill (alerted once per spell)
         self.quiet = (QuietWatch(self.config.quiet_canary_s, self.config.quiet_requests_per_s)
@@ -486,36 +487,43 @@ class Controller:
         self.alert("stable_rolled_back", stable.version, reason, restored=best[0])
 
     def watch_heldout(self) -> None:
-        """Stable's held-out pass rate against the best earlier stable's, task by task, once
-        per stable the evaluator scored. A version can please production's users and still
-        have lost a skill rollouts taught (the demo's day does: coding falls from 16% to
-        0-4%), and the canary guard, which compares production traffic, cannot see it. It
-        alerts, and does not roll back: which of the two matters more is on-call's call."""
-        stable = self.registry.stable()
-        scored = (stable.metrics.get("heldout") or {}) if stable else {}
-        if "solved" not in scored or stable.version == self.heldout_checked:
+        """The held-out pass rate of the latest stable the evaluator scored against the best
+        of the `slide_lookback` scored before it, task by task, once each. A version can
+        please production's users and still have lost a skill rollouts taught (the demo's
+        day does: coding falls from 16% to 0-4%), and the canary guard, which compares
+        production traffic, cannot see it. It alerts, and does not roll back: which of the
+        two matters more is on-call's call. The latest scored stable may have been replaced
+        while it was scored (an evaluation takes seconds, a canary too): it is still what
+        users got."""
+        if time.time() < self.next_heldout_check:
             return
-        self.heldout_checked = stable.version
-        earlier = {v: self.registry.get(v).metrics.get("heldout") or {}
-                   for v, _, _ in self.stable_periods() if v != stable.version}
-        same_tasks = {v: f for v, f in earlier.items() if f.get("task_set") == scored["task_set"] and "solved" in f}
-        same_tasks = dict(list(same_tasks.items())[-self.config.slide_lookback:])  # the most recent scored
+        self.next_heldout_check = time.time() + 10 * self.config.poll_s
+        scored = {}  # each version that was stable and scored, in the order it became stable
+        for version, _, _ in self.stable_periods():
+            figures = self.registry.get(version).metrics.get("heldout") or {}
+            if "solved" in figures:
+                scored.setdefault(version, figures)
+        if not scored or list(scored)[-1] == self.heldout_checked:
+            return
+        *before, (version, figures) = scored.items()
+        self.heldout_checked = version
+        same_tasks = [(v, f) for v, f in before if f.get("task_set") == figures["task_set"]]
+        same_tasks = same_tasks[-self.config.slide_lookback:]
         if not same_tasks:
             return
-        best = max(same_tasks, key=lambda v: same_tasks[v]["pass_rate"])
-        pairs = list(zip(same_tasks[best]["solved"], scored["solved"]))
+        best, best_figures = max(same_tasks, key=lambda vf: vf[1]["pass_rate"])
+        pairs = list(zip(best_figures["solved"], figures["solved"]))
         lost, gained = pairs.count(("1", "0")), pairs.count(("0", "1"))
         p = paired_loss_p(lost, gained)
         level = self.config.false_abort_rate / len(same_tasks)  # the best of several: Bonferroni
-        drop = same_tasks[best]["pass_rate"] - scored["pass_rate"]
-        regressed = drop > self.config.heldout_margin and p < level
+        regressed = best_figures["pass_rate"] - figures["pass_rate"] > self.config.heldout_margin and p < level
         if regressed:
-            reason = (f"held-out pass rate {scored['pass_rate']:.3f} against {best}'s "
-                      f"{same_tasks[best]['pass_rate']:.3f} on the same {len(pairs)} tasks ({lost} lost, "
+            reason = (f"held-out pass rate {figures['pass_rate']:.3f} against {best}'s "
+                      f"{best_figures['pass_rate']:.3f} on the same {len(pairs)} tasks ({lost} lost, "
                       f"{gained} gained; p {p:.2g} < {level:.2g}): more than {self.config.heldout_margin} below")
-            self.registry.record_event(stable.version, "heldout_regression", ACTOR, reason)
+            self.registry.record_event(version, "heldout_regression", ACTOR, reason)
             if not self.heldout_regressed:
-                self.alert("heldout_regression", stable.version, reason, best=best, lost=lost, gained=gained)
+                self.alert("heldout_regression", version, reason, best=best, lost=lost, gained=gained)
         self.heldout_regressed = regressed
 
     def run(self, stop: threading.Event) -> None:

@@ -34,7 +34,8 @@ class Stables:
         self.registry = Registry(settings.policies_dir)
         self.controller = Controller(settings)
 
-    def promote(self, solved: str, task_set: str = "these-tasks") -> str:
+    def promote(self, solved: str | None, task_set: str = "these-tasks") -> str:
+        """A new stable version, scored `solved` (None: not yet)."""
         staged = self.tmp_path / f"staged-{len(self.registry.versions())}"
         shutil.copytree(self.starter_dir, staged)
         old = self.registry.stable()
@@ -44,10 +45,15 @@ class Stables:
             self.registry.transition(version, "canary", "test", "gate passed")
             self.registry.transition(old.version, "superseded", "test", f"{version} promoted")
             self.registry.transition(version, "stable", "test", "non-inferior")
+        if solved is not None:
+            self.score(version, solved, task_set)
+        return version
+
+    def score(self, version: str, solved: str, task_set: str = "these-tasks") -> None:
         self.registry.update_metrics(version, heldout={
             "pass_rate": solved.count("1") / len(solved), "tasks": len(solved), "solved": solved, "task_set": task_set})
+        self.controller.next_heldout_check = 0.0  # it looks every ten polls: now
         self.controller.watch_heldout()
-        return version
 
     def regressions(self, version: str) -> list[str]:
         return [e["reason"] for e in self.registry.history(version) if e["to"] == "heldout_regression"]
@@ -75,6 +81,18 @@ def test_a_stable_that_lost_the_held_out_skill_is_alerted_once_per_spell(tmp_pat
     assert stables.regressions(again)
     wait_for(lambda: len(stables.alerts) == 2, timeout=10)
     assert [a["version"] for a in stables.alerts] == [gone, again]
+    stables.webhook.shutdown()
+
+
+def test_a_stable_replaced_while_it_was_scored_is_still_watched(tmp_path, starter_dir):
+    """An evaluation takes seconds and so does a canary: by the time a stable's figures
+    are in, the next stable may serve. What users got is compared all the same."""
+    stables = Stables(tmp_path, starter_dir)
+    stables.promote("11111")
+    replaced = stables.promote(None)
+    stables.promote(None)  # the next stable, not scored yet
+    stables.score(replaced, "00000")
+    assert "5 lost, 0 gained" in stables.regressions(replaced)[0]
     stables.webhook.shutdown()
 
 
