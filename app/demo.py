@@ -439,6 +439,12 @@ def guard_verdicts(settings: Settings) -> list[dict]:
     return stopped
 
 
+def heldout_regressions(settings: Settings) -> list[dict]:
+    """Stable versions the held-out watch found had surely lost held-out skill, and by how much."""
+    return [{"version": event["version"], "reason": event["reason"]}
+            for event in Registry(settings.policies_dir).history() if event["to"] == "heldout_regression"]
+
+
 def stable_regressions(settings: Settings, per_version: list[dict], min_served: int = 200,
                        drop: float = 0.10) -> list[dict]:
     """Versions that reached stable serving clearly worse than the stable they replaced
@@ -551,6 +557,10 @@ def run_demo(settings: Settings, minutes: float, users: int, seed: int, max_toke
         result["stable_regressions"] = stable_regressions(settings, per_version)
         if result["guard"]:
             print_rows(result["guard"], "versions the guard stopped")
+        if day is not None:
+            day["heldout_regressions"] = heldout_regressions(settings)
+            if day["heldout_regressions"]:
+                print_rows(day["heldout_regressions"], "stable versions that lost held-out skill (held-out watch)")
         result["learning_curve"] = learning_curve(pop.tallies)[::25]
         result["clickhouse"] = per_version
     finally:
