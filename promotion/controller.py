@@ -517,14 +517,16 @@ class Controller:
         p = paired_loss_p(lost, gained)
         level = self.config.false_abort_rate / len(same_tasks)  # the best of several: Bonferroni
         regressed = best_figures["pass_rate"] - figures["pass_rate"] > self.config.heldout_margin and p < level
-        if regressed:
+        # A restarted controller looks at the latest again: recorded already, it is the same spell.
+        recorded = any(e["to"] == "heldout_regression" for e in self.registry.history(version))
+        if regressed and not recorded:
             reason = (f"held-out pass rate {figures['pass_rate']:.3f} against {best}'s "
                       f"{best_figures['pass_rate']:.3f} on the same {len(pairs)} tasks ({lost} lost, "
                       f"{gained} gained; p {p:.2g} < {level:.2g}): more than {self.config.heldout_margin} below")
             self.registry.record_event(version, "heldout_regression", ACTOR, reason)
             if not self.heldout_regressed:
                 self.alert("heldout_regression", version, reason, best=best, lost=lost, gained=gained)
-        self.heldout_regressed = regressed
+        self.heldout_regressed = regressed or recorded
 
     def run(self, stop: threading.Event) -> None:
         while not stop.is_set():

@@ -1,6 +1,6 @@
 """The held-out evaluator: while rollouts run, a version is scored greedily on the
 environment's held-out tasks (never trained on) every `rollouts.heldout_every_s`: each
-stable version once (what users get, which the controller's skill watch compares), else
+stable version once (what users get, which the controller's held-out watch compares), else
 the learner's newest, so learning from rollouts can be followed as it happens and not
 only afterwards. Each figure goes into the version's metrics (`heldout`: pass rate, the
 tasks solved, seconds), so `liverl policy show` and the demo's live table have it, and

@@ -76,6 +76,9 @@ def test_a_stable_that_lost_the_held_out_skill_is_alerted_once_per_spell(tmp_pat
     assert stables.regressions(stables.promote("0" * 20, task_set="other-tasks")) == []
     still = stables.promote("0" * 20)  # the same spell: in its history, no second alert
     assert stables.regressions(still)
+    stables.controller = Controller(stables.controller.settings)  # restarted: looks at `still` again
+    stables.controller.watch_heldout()
+    assert len(stables.regressions(still)) == 1  # recorded once, and not alerted again
     assert stables.regressions(stables.promote(skilled)) == []  # the skill back: the spell ends
     again = stables.promote("0" * 20)  # a new spell: alerted again
     assert stables.regressions(again)
