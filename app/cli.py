@@ -89,6 +89,8 @@ def status(data_dir: Optional[Path] = DataDir, as_json: bool = typer.Option(Fals
         print_rows([{k: e[k] for k in ("timestamp", "action", "replica", "policy_version", "load",
                                        "tokens_per_s", "seconds", "bound_s", "why")}
                     for e in report["capacity_events"]], "replicas lent to rollouts and taken back (latest)")
+    if report["heldout"]:
+        print_rows(report["heldout"], "held-out pass rate, latest versions scored (lost_skill: the held-out watch)")
     console.print(f"development keys: {report['keys_file']}")
 
 

@@ -364,7 +364,18 @@ def status(settings: Settings) -> dict:
                          role="starting (blue/green swap)", healthy=False))
     return {"running": True, "cluster_id": manifest.cluster_id,
             "keys_file": str(settings.data_dir / "dev-keys.json"), "components": rows,
-            "capacity_events": [e.model_dump(mode="json") for e in read_events(settings)[-5:]]}
+            "capacity_events": [e.model_dump(mode="json") for e in read_events(settings)[-5:]],
+            "heldout": heldout_status(Registry(settings.policies_dir))}
+
+
+def heldout_status(registry: Registry, latest: int = 5) -> list[dict]:
+    """The held-out evaluator's latest figures, one row per version scored, and whether the
+    held-out watch found it had lost held-out skill."""
+    regressed = {e["version"] for e in registry.history() if e["to"] == "heldout_regression"}
+    scored = [v for v in registry.versions() if "pass_rate" in (v.metrics.get("heldout") or {})]
+    return [{"version": v.version, "state": v.state, "pass_rate": v.metrics["heldout"]["pass_rate"],
+             "tasks": v.metrics["heldout"]["tasks"], "lost_skill": v.version in regressed}
+            for v in scored[-latest:]]
 
 
 def component_healthy(pid: int | None, url: str | None, name: str) -> bool:

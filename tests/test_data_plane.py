@@ -239,6 +239,7 @@ def test_status_reports_every_component(settings):
     assert report["keys_file"].endswith("dev-keys.json")
     table = liverl(settings, "status")
     assert table.returncode == 0 and "replica-0" in table.stdout and "api" in table.stdout, table.stderr
+    assert report["heldout"] == []  # no evaluator in this stack: nothing scored
     # The stream yields to ingest and serving: niced, and on the CPUs it was given.
     for background in ("sink", "feedback"):
         pid = names[background]["pid"]

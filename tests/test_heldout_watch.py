@@ -9,6 +9,7 @@ import shutil
 import pytest
 from helpers import alert_receiver, wait_for
 
+from app.stack import heldout_status
 from liverl.settings import PromotionConfig, Settings
 from policies.registry import Registry
 from promotion.controller import Controller
@@ -108,3 +109,21 @@ def test_the_best_of_several_stables_is_compared_at_a_stricter_level(tmp_path, s
         stables.promote("11111")
     assert bool(stables.regressions(stables.promote("00000"))) is alerted
     stables.webhook.shutdown()
+
+
+def test_status_shows_held_out_figures_and_lost_skill(tmp_path, starter_dir):
+    """On-call sees the evaluator's latest held-out figures and which versions the held-out
+    watch found had lost held-out skill, from the registry."""
+    registry = Registry(tmp_path / "policies")
+    versions = []
+    for solved in ("11110", "10000"):
+        staged = tmp_path / f"staged-{len(versions)}"
+        shutil.copytree(starter_dir, staged)
+        versions.append(registry.publish(staged, parent=versions[-1] if versions else None, window=None,
+                                         metrics={}, sample_ids=[], actor="test").version)
+        registry.update_metrics(versions[-1], heldout={"pass_rate": solved.count("1") / 5, "tasks": 5,
+                                                       "solved": solved, "task_set": "t"})
+    registry.record_event(versions[-1], "heldout_regression", "controller", "3 lost, 0 gained")
+    assert heldout_status(registry) == [
+        {"version": versions[0], "state": "candidate", "pass_rate": 0.8, "tasks": 5, "lost_skill": False},
+        {"version": versions[1], "state": "candidate", "pass_rate": 0.2, "tasks": 5, "lost_skill": True}]
