@@ -39,7 +39,7 @@ from liverl.client import FeedbackClient
 from liverl.contracts import CapacityEvent
 from liverl.keys import admin_headers
 from liverl.settings import Settings, settings_with_defaults
-from policies.registry import Registry
+from policies.registry import HELDOUT_REGRESSION, Registry
 from promotion.sequential import wilson
 
 VERSION_SQL = """SELECT policy_version, sum(samples) AS n,
@@ -442,7 +442,7 @@ def guard_verdicts(settings: Settings) -> list[dict]:
 def heldout_regressions(settings: Settings) -> list[dict]:
     """Stable versions the held-out watch found had surely lost held-out skill, and by how much."""
     return [{"version": event["version"], "reason": event["reason"]}
-            for event in Registry(settings.policies_dir).history() if event["to"] == "heldout_regression"]
+            for event in Registry(settings.policies_dir).history() if event["to"] == HELDOUT_REGRESSION]
 
 
 def stable_regressions(settings: Settings, per_version: list[dict], min_served: int = 200,

@@ -37,7 +37,7 @@ from liverl.pool import ROLLOUT, Pool, read_pool, write_pool
 from liverl.process import alive, spawn, stop_pid, wait_until, yield_cpu
 from liverl.settings import EmbeddedBroker, Settings
 from policies.importer import import_version
-from policies.registry import Registry
+from policies.registry import HELDOUT_REGRESSION, Registry
 from serving.capacity import read_events
 from serving.replicas import (
     ReplicaError,
@@ -371,7 +371,7 @@ def status(settings: Settings) -> dict:
 def heldout_status(registry: Registry, latest: int = 5) -> list[dict]:
     """The held-out evaluator's latest figures, one row per version scored, and whether the
     held-out watch found it had lost held-out skill."""
-    regressed = {e["version"] for e in registry.history() if e["to"] == "heldout_regression"}
+    regressed = {e["version"] for e in registry.history() if e["to"] == HELDOUT_REGRESSION}
     scored = [v for v in registry.versions() if "pass_rate" in (v.metrics.get("heldout") or {})]
     return [{"version": v.version, "state": v.state, "pass_rate": v.metrics["heldout"]["pass_rate"],
              "tasks": v.metrics["heldout"]["tasks"], "lost_skill": v.version in regressed}

@@ -44,6 +44,11 @@ TRANSITIONS: dict[str, tuple[str, ...]] = {
 }
 
 
+# The held-out watch's event on a stable version that surely lost held-out skill
+# (`promotion/controller.py: watch_heldout`), read by `liverl status` and the demo.
+HELDOUT_REGRESSION = "heldout_regression"
+
+
 class IllegalTransition(ValueError):
     """A state change the lifecycle does not allow, or one without a reason."""
 

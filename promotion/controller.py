@@ -45,7 +45,7 @@ from liverl.pool import promotion_lock, read_pool
 from liverl.process import serve_beside
 from liverl.settings import Settings, get_settings
 from policies.importer import import_version
-from policies.registry import REJECTED, AliasMove, Pin, PolicyVersion, Registry
+from policies.registry import HELDOUT_REGRESSION, REJECTED, AliasMove, Pin, PolicyVersion, Registry
 from promotion.dashboard import Operator, mount_dashboard
 from promotion.promoter import Promoter
 from promotion.reports import ReportError, SinkError, diff, history, served_at
@@ -518,14 +518,14 @@ class Controller:
         level = self.config.false_abort_rate / len(same_tasks)  # the best of several: Bonferroni
         regressed = best_figures["pass_rate"] - figures["pass_rate"] > self.config.heldout_margin and p < level
         # A restarted controller looks at the latest again: recorded already, it is the same spell.
-        recorded = any(e["to"] == "heldout_regression" for e in self.registry.history(version))
+        recorded = any(e["to"] == HELDOUT_REGRESSION for e in self.registry.history(version))
         if regressed and not recorded:
             reason = (f"held-out pass rate {figures['pass_rate']:.3f} against {best}'s "
                       f"{best_figures['pass_rate']:.3f} on the same {len(pairs)} tasks ({lost} lost, "
                       f"{gained} gained; p {p:.2g} < {level:.2g}): more than {self.config.heldout_margin} below")
-            self.registry.record_event(version, "heldout_regression", ACTOR, reason)
+            self.registry.record_event(version, HELDOUT_REGRESSION, ACTOR, reason)
             if not self.heldout_regressed:
-                self.alert("heldout_regression", version, reason, best=best, lost=lost, gained=gained)
+                self.alert(HELDOUT_REGRESSION, version, reason, best=best, lost=lost, gained=gained)
         self.heldout_regressed = regressed or recorded
 
     def run(self, stop: threading.Event) -> None:
