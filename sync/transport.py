@@ -74,13 +74,19 @@ def publish_version(store: DeltaStore, records: dict[str, VersionRecord], *, ver
 def publish_new(store: DeltaStore, registry: Registry, snapshot_every: int, work_dir: Path,
                 delta_format: int = LATEST_FORMAT) -> list[VersionRecord]:
     """Publish the registry's versions newer than the store's newest (only the latest one
-    into an empty store: older ones nobody will fetch). Idempotent, so a learner that died
-    between the registry and the store catches up on its next version."""
+    into an empty store: older ones nobody will fetch), and stable if the store lacks it (the
+    starter is stable when the first version ships; lent replicas keep stable staged from the
+    store). Idempotent, so a learner that died between the registry and the store catches up
+    on its next version."""
     records = read_records(store)
     newest = max((r.seq for r in records.values()), default=None)
     todo = [v for v in registry.versions() if newest is None or v.seq > newest]
+    todo = todo if newest is not None else todo[-1:]
+    stable = registry.stable()
+    if stable is not None and stable.version not in records and stable.version not in {v.version for v in todo}:
+        todo.insert(0, stable)  # first: the newest may then be a delta from it
     published = []
-    for version in todo[-1:] if newest is None else todo:
+    for version in todo:
         parent_dir = Path(registry.get(version.parent).model_dir) if version.parent else None
         record = publish_version(store, records, version=version.version, seq=version.seq,
                                  model_dir=Path(version.model_dir), parent=version.parent,

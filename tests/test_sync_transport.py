@@ -347,6 +347,22 @@ def test_publish_new_catches_up_from_an_empty_store(tmp_path):
     assert records["v3"].delta and records["v4"].delta and not records["v4"].snapshot
 
 
+def test_an_empty_store_gets_stable_too_so_a_take_back_can_fetch_it(tmp_path):
+    """The starter is stable when the learner ships its first version: a lent replica keeps
+    stable staged from the store, and a replica without the registry's directories fetches it."""
+    store = local_store(tmp_path)
+    lineage = Lineage(tmp_path)
+    lineage.registry.transition("v0", "canary", "test", "offline gate passed")
+    lineage.registry.transition("v0", "stable", "test", "promoted")
+    lineage.add(), lineage.add()
+    lineage.publish(store)
+    records = read_records(store)
+    assert sorted(records) == ["v0", "v2"] and records["v0"].snapshot
+    replica = ReplicaSync(tmp_path / "replicas" / "replica-0", store)
+    weights, _ = replica.stage("v0")
+    assert same_weights(weights, lineage.dir("v0"))
+
+
 def test_ship_publishes_and_retains(tmp_path):
     lineage = Lineage(tmp_path)
     settings = Settings(data_dir=tmp_path, sync=SyncConfig(keep_versions=1, snapshot_every=2))
