@@ -28,7 +28,7 @@ from rich.table import Table
 from app.demo import Population, demo_settings
 from app.stack import down, up, wipe_data_dir
 from liverl.keys import admin_headers
-from liverl.pool import read_pool, set_replica
+from liverl.pool import read_pool, replica_lock, set_replica
 from liverl.settings import ServingConfig
 from serving.swap import drain_in_flight, load_in_place
 
@@ -55,10 +55,11 @@ def main(rounds: int = 30, executor: str = "uni", users: int = 4, seed: int = 0,
         with Progress(console=console) as bar:
             task = bar.add_task(f"commits on {replica.name} under load from {users} users", total=rounds)
             for _ in range(rounds):
-                set_replica(settings, replica.name, enabled=False)
-                drain = drain_in_flight(replica.url, settings.serving.swap_drain_s)
-                steps = load_in_place(replica.url, Path(replica.model_dir))
-                set_replica(settings, replica.name, enabled=True)
+                with replica_lock(settings, replica.name):  # or the controller puts it back mid-commit
+                    set_replica(settings, replica.name, enabled=False)
+                    drain = drain_in_flight(replica.url, settings.serving.swap_drain_s)
+                    steps = load_in_place(replica.url, Path(replica.model_dir))
+                    set_replica(settings, replica.name, enabled=True)
                 commits.append({"drain": drain, **steps,
                                 "serving_pause": sum(steps[s] for s in STEPS if s != "worker_load")})
                 bar.advance(task)

@@ -71,12 +71,17 @@ def read_pool(settings: Settings) -> Pool:
 
 
 @contextmanager
-def exclusive(lock: Path) -> Iterator[None]:
-    """An exclusive lock across processes (released when the holder exits, however it exits)."""
+def exclusive(lock: Path, wait: bool = True) -> Iterator[bool]:
+    """An exclusive lock across processes (released when the holder exits, however it exits).
+    With `wait=False` it yields False at once if another holds it."""
     lock.parent.mkdir(parents=True, exist_ok=True)
     with open(lock, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        yield
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        yield True
 
 
 @contextmanager
@@ -91,13 +96,14 @@ def edit_pool(settings: Settings) -> Iterator[Pool]:
 
 
 @contextmanager
-def replica_lock(settings: Settings, name: str) -> Iterator[None]:
+def replica_lock(settings: Settings, name: str, wait: bool = True) -> Iterator[bool]:
     """One operation at a time on a replica, across processes: the capacity scheduler's
     lends, refreshes and take-backs and the promotion controller's swaps each hold it
     from their last look at the replica to their last write, and look again once they
-    hold it (what they decided on may have changed while they waited)."""
-    with exclusive(settings.run_dir / "locks" / f"{name}.lock"):
-        yield
+    hold it (what they decided on may have changed while they waited). With `wait=False`
+    it yields False at once if another holds it."""
+    with exclusive(settings.run_dir / "locks" / f"{name}.lock", wait) as held:
+        yield held
 
 
 _promotion = threading.RLock()  # the threads of one process; the file lock, the processes

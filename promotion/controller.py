@@ -19,7 +19,10 @@ never waits for a canary and a learner restart never interrupts one.
   `slide_margin` below the best, that version is put back and the learner rewinds to it.
 
 Killed at any line, a restart finds the canary in the registry (its start time is in
-its metrics) and judges it again from ClickHouse's figures, not from memory.
+its metrics) and judges it again from ClickHouse's figures, not from memory. A replica
+that a killed process (this one, or the capacity scheduler mid-lend) left out of
+rotation with nobody working on it is reloaded, verified and put back
+(`serving.swap.restore_abandoned`).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from promotion.dashboard import Operator, mount_dashboard
 from promotion.promoter import Promoter
 from promotion.reports import ReportError, SinkError, diff, history, served_at
 from promotion.sequential import Arm, Comparison, compare, confidence_sequence, paired_loss_p, verdict_in_sight
+from serving.swap import restore_abandoned
 from sync.replica import ReplicaSync
 
 ACTOR = "controller"
@@ -109,6 +113,7 @@ class Controller:
         self.waiting: str | None = None  # the candidate that waits, logged once
         self.next_slide_check = 0.0
         self.next_heldout_check = 0.0
+        self.next_restore_check = 0.0
         self.heldout_checked: str | None = None  # the stable the held-out watch last compared
         self.heldout_regressed = False  # ... and whether it had lost the skill (alerted once per spell)
         self.quiet = (QuietWatch(self.config.quiet_canary_s, self.config.quiet_requests_per_s)
@@ -196,6 +201,11 @@ class Controller:
 
     # --- one look ----------------------------------------------------------------------------
     def step(self) -> None:
+        if time.time() >= self.next_restore_check:  # not every poll: a failed restore restarts a replica
+            self.next_restore_check = time.time() + 10 * self.config.poll_s
+            for name, back in restore_abandoned(self.settings).items():
+                log(logger, "a replica left out of rotation by a killed process", replica=name,
+                    back_in_production=back)
         if self.config.heldout_watch:
             self.watch_heldout()
         if canaries := self.registry.in_state("canary"):

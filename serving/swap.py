@@ -187,6 +187,20 @@ def revert(settings: Settings, old: Replica, enable: bool = True) -> bool:
     return True
 
 
+def restore_abandoned(settings: Settings) -> dict[str, bool]:
+    """Production replicas left out of rotation by a process killed mid-swap or mid-lend
+    (disabled, not lent, and nobody holds their lock): their recorded weights loaded again
+    and verified (the engine may have stopped paused, or half loaded), a restart if that
+    fails, and back in rotation. Each one found, and whether it is back."""
+    restored = {}
+    for name in [r.name for r in read_pool(settings).general if not r.enabled]:
+        with replica_lock(settings, name, wait=False) as held:
+            replica = read_pool(settings).get(name)  # as it is now that nobody else moves it
+            if held and not replica.enabled and replica.alias is None:
+                restored[name] = revert(settings, replica)
+    return restored
+
+
 def replace_replica(settings: Settings, name: str, version: str, model_dir: Path,
                     enable: bool = True) -> SwapReport:
     """`name` on `version`, verified, or back on its old weights; taking traffic afterwards

@@ -256,6 +256,48 @@ def test_an_idle_replica_is_lent_to_rollouts_and_a_burst_takes_it_back_without_a
     assert "abort_s" in back.steps  # where the take-back's time went (and the swap's, if it swapped)
 
 
+def test_a_replica_a_killed_lend_left_out_of_rotation_goes_back_into_production(settings, paused_learner,
+                                                                               monkeypatch):
+    """The scheduler killed while a lend drains its replica leaves it out of rotation and not
+    lent: the running controller finds it with nobody working on it, reloads and verifies
+    its weights and puts it back. (The kill is an exception at that line: leaving the lend,
+    it releases the replica's lock as the process's death does.)"""
+    class Killed(BaseException):
+        pass
+
+    def killed_while_draining(self, url):
+        raise Killed
+    monkeypatch.setattr(Scheduler, "drain", killed_while_draining)
+    fast = settings.capacity.model_copy(update={"enabled": True, "lend_after_s": 1.0, "poll_s": 0.05})
+    scheduler = Scheduler(settings.model_copy(update={"capacity": fast}))
+    with pytest.raises(Killed):
+        wait_for(scheduler.step, timeout=30, interval=0.05)
+    left, = [r for r in read_pool(settings).replicas if not r.enabled]
+    assert left.alias is None  # out of rotation, and not the scheduler's to take back
+    back = wait_for(lambda: (r := read_pool(settings).get(left.name)).enabled and r, timeout=60)
+    assert back.alias is None and back.policy_version == read_pool(settings).aliases["stable"]
+
+
+def test_a_replica_out_of_rotation_is_left_to_whoever_holds_its_lock(monkeypatch, tmp_path):
+    # vLLM's side is faked: what is tested is that a swap or lend under way is never raced.
+    settings = Settings(data_dir=tmp_path)
+    write_pool(settings, Pool(replicas=[Replica(name="r0", url="http://127.0.0.1:1", policy_version="v3",
+                                                model_dir=str(tmp_path), enabled=False)],
+                              aliases={"stable": "v3"}))
+    reloaded = []
+
+    def revert(settings, replica, enable=True):  # vLLM's reload and probe of the recorded weights
+        reloaded.append(replica.name)
+        liverl.pool.set_replica(settings, replica.name, enabled=enable)
+        return True
+    monkeypatch.setattr(serving.swap, "revert", revert)
+    with liverl.pool.replica_lock(settings, "r0"):  # a swap or a lend under way, in another process
+        assert serving.swap.restore_abandoned(settings) == {}
+    assert reloaded == [] and not read_pool(settings).get("r0").enabled
+    assert serving.swap.restore_abandoned(settings) == {"r0": True}
+    assert reloaded == ["r0"] and read_pool(settings).get("r0").enabled
+
+
 @pytest.mark.parametrize("swap_back_fails", [False, True], ids=["swapped-back", "swap-back-failed"])
 def test_a_replica_on_its_way_back_is_never_open_to_rollouts(monkeypatch, tmp_path, swap_back_fails):
     # vLLM's side of the swap is faked (loading, the probe, the drain; a real swap under load

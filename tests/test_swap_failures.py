@@ -15,7 +15,7 @@ import pytest
 import serving.swap
 from app.stack import stop_all
 from helpers import wait_for
-from liverl.pool import ROLLOUT, Pool, Replica, read_pool, write_pool
+from liverl.pool import ROLLOUT, SERVED_MODEL_NAME, Pool, Replica, read_pool, replica_client, set_replica, write_pool
 from liverl.process import alive
 from liverl.probe import PROBE_FILE
 from liverl.settings import PromotionConfig, Settings
@@ -68,6 +68,22 @@ def test_a_swap_that_fails_in_any_way_reverts_and_says_why(settings, paused_lear
     assert httpx.post(settings.url(settings.ports.gateway) + "/v1/completions", timeout=60,
                       headers={"Authorization": "Bearer " + json.loads(settings.dev_keys_file.read_text())["tenant_key"]},
                       json={"prompt": "x = ", "max_tokens": 2}).status_code == 200
+
+
+def test_a_replica_a_killed_swap_left_paused_and_out_of_rotation_serves_again(settings, paused_learner):
+    """A swap killed after it paused the engine (taken out of rotation, vLLM paused, the
+    process gone and with it the replica's lock): the running controller reloads the
+    recorded weights, verifies them and puts the replica back, answering."""
+    replica = read_pool(settings).replicas[0]
+    set_replica(settings, replica.name, enabled=False)
+    with replica_client(replica.url, timeout=10) as client:
+        client.post("/pause", params={"mode": "keep", "clear_cache": "false"}).raise_for_status()
+    back = wait_for(lambda: (r := read_pool(settings).get(replica.name)).enabled and r, timeout=60)
+    assert back.policy_version == replica.policy_version and back.alias is None
+    with replica_client(back.url, timeout=30) as client:  # paused, it would not answer
+        answer = client.post("/v1/completions", json={"model": SERVED_MODEL_NAME, "prompt": "def f(",
+                                                      "max_tokens": 4}).raise_for_status().json()
+    assert answer["choices"][0]["text"]
 
 
 def test_the_controller_survives_a_promotion_that_raises(tmp_path, starter_dir):
