@@ -22,7 +22,8 @@ Killed at any line, a restart finds the canary in the registry (its start time i
 its metrics) and judges it again from ClickHouse's figures, not from memory. A replica
 that a killed process (this one, or the capacity scheduler mid-lend) left out of
 rotation with nobody working on it is reloaded, verified and put back
-(`serving.swap.restore_abandoned`).
+(`serving.swap.restore_abandoned`), and the new engine of a blue/green swap it left
+unverified is stopped.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ from promotion.dashboard import Operator, mount_dashboard
 from promotion.promoter import Promoter
 from promotion.reports import ReportError, SinkError, diff, history, served_at
 from promotion.sequential import Arm, Comparison, compare, confidence_sequence, paired_loss_p, verdict_in_sight
-from serving.swap import restore_abandoned
+from serving.swap import restore_abandoned, stop_abandoned_engines
 from sync.replica import ReplicaSync
 
 ACTOR = "controller"
@@ -206,6 +207,9 @@ class Controller:
             for name, back in restore_abandoned(self.settings).items():
                 log(logger, "a replica left out of rotation by a killed process", replica=name,
                     back_in_production=back)
+            for engine in stop_abandoned_engines(self.settings):
+                log(logger, "stopped the new engine of a blue/green swap a killed process left",
+                    replica=engine.name, version=engine.policy_version, pid=engine.pid)
         if self.config.heldout_watch:
             self.watch_heldout()
         if canaries := self.registry.in_state("canary"):

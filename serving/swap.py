@@ -201,6 +201,21 @@ def restore_abandoned(settings: Settings) -> dict[str, bool]:
     return restored
 
 
+def stop_abandoned_engines(settings: Settings) -> list[Replica]:
+    """New engines of blue/green swaps a killed process left in `pool.starting` (nobody
+    holds their replica's lock; the old engine serves on): stopped and forgotten. Those."""
+    stopped = []
+    for engine in read_pool(settings).starting:
+        with replica_lock(settings, engine.name, wait=False) as held:
+            if held and engine in read_pool(settings).starting:
+                if engine.pid:
+                    stop_pid(engine.pid)
+                with edit_pool(settings) as pool:
+                    pool.starting = [r for r in pool.starting if r != engine]
+                stopped.append(engine)
+    return stopped
+
+
 def replace_replica(settings: Settings, name: str, version: str, model_dir: Path,
                     enable: bool = True) -> SwapReport:
     """`name` on `version`, verified, or back on its old weights; taking traffic afterwards

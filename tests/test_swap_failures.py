@@ -12,6 +12,7 @@ import time
 import httpx
 import pytest
 
+import liverl.pool
 import serving.swap
 from app.stack import stop_all
 from helpers import wait_for
@@ -135,6 +136,25 @@ def test_down_during_a_blue_green_swap_stops_the_replica_being_started(monkeypat
     swap.join(timeout=30)
     assert not alive(started.pid) and not alive(old.pid)
     assert read_pool(settings).starting == [] and read_pool(settings).replicas == []
+
+
+def test_the_new_engine_of_a_blue_green_swap_a_killed_process_left_is_stopped(tmp_path):
+    """A swap by restart killed before its new engine was verified leaves that engine in
+    `pool.starting`, serving nobody and holding memory and a core: once nobody holds the
+    replica's lock it is stopped and forgotten. (The engine is a stand-in process: what is
+    tested is who stops it and when.)"""
+    settings = Settings(data_dir=tmp_path)
+    engine = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    write_pool(settings, Pool(
+        replicas=[Replica(name="r0", url="http://127.0.0.1:1", policy_version="v3", model_dir=str(tmp_path))],
+        starting=[Replica(name="r0", url="http://127.0.0.1:2", policy_version="v4", model_dir=str(tmp_path),
+                          pid=engine.pid)]))
+    with liverl.pool.replica_lock(settings, "r0"):  # the swap still running, in another process
+        assert serving.swap.stop_abandoned_engines(settings) == []
+    assert engine.poll() is None and read_pool(settings).starting
+    assert [r.pid for r in serving.swap.stop_abandoned_engines(settings)] == [engine.pid]
+    assert engine.wait(timeout=10) is not None and read_pool(settings).starting == []
+    assert [r.name for r in read_pool(settings).replicas] == ["r0"]  # the old engine serves on
 
 
 def test_a_blue_green_swap_keeps_what_the_replica_is_for(monkeypatch, tmp_path):
