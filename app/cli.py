@@ -85,6 +85,8 @@ def status(data_dir: Optional[Path] = DataDir, as_json: bool = typer.Option(Fals
     # Only replicas serve a policy version; the other components have none to show.
     print_rows([{k: c.get(k) for k in ("name", "pid", "url", "healthy", "policy_version", "role")}
                 for c in report["components"]], f"cluster {report['cluster_id']}")
+    if pause := report["lending_paused"]:
+        console.print(f"lending to rollouts paused by {pause['actor']} at {pause['at']}: {pause['reason']}")
     if report["capacity_events"]:
         print_rows([{k: e[k] for k in ("timestamp", "action", "replica", "policy_version", "load",
                                        "tokens_per_s", "seconds", "bound_s", "why")}
@@ -234,23 +236,25 @@ def show(rows: list[dict], title: str, as_json: bool) -> None:
         print_rows(rows, title)
 
 
-def change(settings: Settings, action: str, path: str, body: dict, act_here) -> dict:
-    """A state change goes through the promotion controller's admin API, which serialises
-    it with the controller's own moves; with the controller down, the CLI acts itself
-    (a rollback at 3 a.m. must not wait for the controller), audited as the OS user."""
+def change(settings: Settings, action: str, path: str, body: dict, act_here,
+           component: str = "promotion controller", port: int | None = None) -> dict:
+    """A state change goes through the component's admin API (the promotion controller's
+    by default), which serialises it with the component's own moves; with the component
+    down, the CLI acts itself (a rollback at 3 a.m. must not wait for the controller),
+    audited as the OS user."""
     from liverl.keys import admin_headers
 
     try:
-        response = httpx.post(settings.url(settings.ports.controller) + path, json=body,
+        response = httpx.post(settings.url(port or settings.ports.controller) + path, json=body,
                               headers=admin_headers(settings), timeout=900)
     except httpx.ConnectError:
-        console.print("[yellow]the promotion controller is not reachable; acting directly[/yellow]")
+        console.print(f"[yellow]the {component} is not reachable; acting directly[/yellow]")
         try:
             result = act_here()
         except (KeyError, ValueError, RuntimeError) as error:
             fail(error.args[0] if isinstance(error, KeyError) else str(error))
         operator_audit(settings, action, path, reason=body["reason"])
-        return result.model_dump()
+        return result if isinstance(result, dict) else result.model_dump()
     if response.is_error:
         detail = response.json().get("detail") if "json" in response.headers.get("content-type", "") else None
         if isinstance(detail, list):  # a request FastAPI refused: each field and what is wrong with it
@@ -633,6 +637,66 @@ def learner_status(data_dir: Optional[Path] = DataDir, as_json: bool = Json) -> 
 @learner_app.command("resume")
 def learner_resume(reason: str = Reason, data_dir: Optional[Path] = DataDir) -> None:
     learner_call(data_dir, "resume", reason)
+
+
+capacity_app = typer.Typer(help="Lending idle replicas to rollouts: its state; pause or resume lending.")
+app.add_typer(capacity_app, name="capacity")
+
+
+def capacity_call(data_dir: Optional[Path], verb: str, reason: str) -> None:
+    """Through the scheduler's admin API; with the scheduler down, on its pause file
+    directly (it reads it when it starts)."""
+    import getpass
+
+    from serving.capacity import LendingPause, set_pause
+
+    settings = settings_from(data_dir)
+
+    def act_here() -> dict:
+        pause = LendingPause(actor=f"cli:{getpass.getuser()}", reason=reason, at=datetime.now(timezone.utc))
+        set_pause(settings, pause if verb == "pause" else None)
+        console.print(f"lending {verb}d for when the scheduler runs (a replica lent now stays lent until then)")
+        return {"paused": verb == "pause"}
+
+    result = change(settings, f"capacity.{verb}", f"/admin/{verb}", {"reason": reason}, act_here,
+                    component="capacity scheduler", port=settings.ports.capacity)
+    console.print_json(json.dumps(result))
+
+
+@capacity_app.command("pause")
+def capacity_pause(reason: str = Reason, data_dir: Optional[Path] = DataDir) -> None:
+    """Lend nothing and take every lent replica back now, whatever the load, until resumed
+    (kept across restarts); returns once none is lent."""
+    capacity_call(data_dir, "pause", reason)
+
+
+@capacity_app.command("resume")
+def capacity_resume(reason: str = Reason, data_dir: Optional[Path] = DataDir) -> None:
+    """Lend again when the load allows."""
+    capacity_call(data_dir, "resume", reason)
+
+
+@capacity_app.command("status")
+def capacity_status(data_dir: Optional[Path] = DataDir, as_json: bool = Json) -> None:
+    """Whether lending is paused (who, why), the replicas lent and in production, and the
+    latest lends and take-backs."""
+    from liverl.pool import read_pool
+    from serving.capacity import read_events, read_pause
+
+    settings = settings_from(data_dir)
+    pool, pause = read_pool(settings), read_pause(settings)
+    report = {"paused": pause and pause.model_dump(mode="json"), "lent": [r.name for r in pool.lent],
+              "production": [r.name for r in pool.general if r.enabled],
+              "events": [e.model_dump(mode="json") for e in read_events(settings)[-5:]]}
+    if as_json:
+        console.print_json(json.dumps(report))
+        return
+    console.print(f"lending paused by {pause.actor} at {pause.at:%Y-%m-%d %H:%M:%S} UTC: {pause.reason}"
+                  if pause else "lending on (when the load allows)")
+    console.print(f"lent: {', '.join(report['lent']) or 'none'}; production: {', '.join(report['production'])}")
+    if report["events"]:
+        print_rows([{k: e[k] for k in ("timestamp", "action", "replica", "policy_version", "load", "seconds", "why")}
+                    for e in report["events"]], "lends and take-backs (latest)")
 
 
 @app.command()

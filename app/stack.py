@@ -38,7 +38,7 @@ from liverl.process import alive, spawn, stop_pid, wait_until, yield_cpu
 from liverl.settings import EmbeddedBroker, Settings
 from policies.importer import import_version
 from policies.registry import HELDOUT_REGRESSION, Registry
-from serving.capacity import read_events
+from serving.capacity import read_events, read_pause
 from serving.replicas import (
     ReplicaError,
     launch_replica,
@@ -365,6 +365,7 @@ def status(settings: Settings) -> dict:
     return {"running": True, "cluster_id": manifest.cluster_id,
             "keys_file": str(settings.data_dir / "dev-keys.json"), "components": rows,
             "capacity_events": [e.model_dump(mode="json") for e in read_events(settings)[-5:]],
+            "lending_paused": (pause := read_pause(settings)) and pause.model_dump(mode="json"),
             "heldout": heldout_status(Registry(settings.policies_dir))}
 
 

@@ -13,12 +13,25 @@ import time
 from contextlib import closing
 from pathlib import Path
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 SCHEMA = """CREATE TABLE IF NOT EXISTS audit (
     at REAL NOT NULL, actor TEXT NOT NULL, action TEXT NOT NULL, target TEXT NOT NULL,
     reason TEXT NOT NULL, details TEXT NOT NULL
 )"""
+
+
+class Reason(BaseModel):
+    """The body of every admin change: why, never blank."""
+
+    reason: str = Field(min_length=1, description="Why: kept in the version's history and the audit log.")
+
+    @field_validator("reason")
+    @classmethod
+    def not_blank(cls, reason: str) -> str:
+        if not reason.strip():
+            raise ValueError("a reason is required")
+        return reason.strip()
 
 
 class AuditEntry(BaseModel):

@@ -38,9 +38,9 @@ from typing import Literal, TypeVar
 
 import httpx
 from fastapi import FastAPI, HTTPException, Query
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field
 
-from liverl.audit import AuditLog
+from liverl.audit import AuditLog, Reason
 from liverl.contracts import AliasName, VersionName
 from liverl.keys import KeyRecord, KeyStore, admin_headers
 from liverl.load import read_gateway_load
@@ -551,17 +551,6 @@ class Controller:
                 self.last_error = f"{type(error).__name__}: {error}"[:500]
                 log(logger, "controller step failed", error=self.last_error)
             stop.wait(self.config.poll_s)
-
-
-class Reason(BaseModel):
-    reason: str = Field(min_length=1, description="Why: kept in the version's history and the audit log.")
-
-    @field_validator("reason")
-    @classmethod
-    def not_blank(cls, reason: str) -> str:
-        if not reason.strip():
-            raise ValueError("a reason is required")
-        return reason.strip()
 
 
 class RollbackRequest(Reason):

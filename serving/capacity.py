@@ -39,19 +39,23 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Literal
 
 import httpx
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI, Query
 from prometheus_client import Counter, Gauge
+from pydantic import BaseModel, Field
 
+from liverl.audit import AuditLog, Reason
 from liverl.contracts import CapacityEvent, Topics
 from liverl.kafka import encode, produce_sync
+from liverl.keys import KeyRecord, KeyStore, require_admin
 from liverl.load import GatewayLoad, read_gateway_load
 from liverl.observability import log, mount_metrics, setup_logging
 from liverl.pool import ROLLOUT, Pool, edit_pool, read_pool, replica_client, replica_lock, set_replica
-from liverl.process import serve_beside
+from liverl.process import serve_beside, wait_until
 from liverl.settings import CapacityConfig, Settings, get_settings
 from policies.registry import PolicyVersion, Registry
 from serving.swap import SwapReport, in_flight, replace_replica
@@ -93,20 +97,21 @@ class Hysteresis:
         self.quiet_since: float | None = None
 
     def decide(self, now: float, load: GatewayLoad, pool: Pool, canary_wanted: bool,
-               backing_off: frozenset[str] = frozenset()) -> Decision | None:
+               backing_off: frozenset[str] = frozenset(), paused: str | None = None) -> Decision | None:
         """Lend, take back (a lent replica not in `backing_off`: its last take-back failed a
-        moment ago), or nothing."""
+        moment ago), or nothing. `paused`: why on-call paused lending (every lent replica
+        comes back, whatever the load, and none is lent)."""
         busy, tokens = production_load(load, pool), production_tokens_per_s(load, pool)
         takeable = [r for r in pool.lent if r.name not in backing_off]
         if stuck := [r for r in takeable if not r.enabled]:  # a take-back that failed is finished, whatever the load
             return Decision("take_back", stuck[0].name, busy, "retrying a take-back whose swap failed", tokens)
-        if takeable and (busy > self.config.take_back_above or canary_wanted):
+        if takeable and (paused or busy > self.config.take_back_above or canary_wanted):
             self.quiet_since = None
-            why = (f"load {busy:.2f} per production replica > {self.config.take_back_above}"
-                   if busy > self.config.take_back_above else "a canary needs the replica")
+            why = paused or (f"load {busy:.2f} per production replica > {self.config.take_back_above}"
+                             if busy > self.config.take_back_above else "a canary needs the replica")
             return Decision("take_back", takeable[0].name, busy, why, tokens)
         tokens_limit = self.config.lend_below_tokens_per_s
-        if busy > self.config.lend_below or (tokens_limit is not None and tokens > tokens_limit):
+        if paused or busy > self.config.lend_below or (tokens_limit is not None and tokens > tokens_limit):
             self.quiet_since = None
             return None
         self.quiet_since = now if self.quiet_since is None else self.quiet_since
@@ -335,13 +340,16 @@ class Scheduler:
         # A canary is judged on production traffic: in a trough too quiet to judge one it could
         # only wait, so a candidate does not take a replica back from rollouts until traffic returns.
         canary = load.requests_per_s > self.settings.promotion.quiet_requests_per_s and self.canary_wanted(pool)
-        decision = self.rules.decide(time.monotonic(), load, pool, canary, backing_off)
+        paused = read_pause(self.settings)
+        why_paused = paused and f"lending paused by {paused.actor}: {paused.reason}"
+        decision = self.rules.decide(time.monotonic(), load, pool, canary, backing_off, why_paused)
         busy = production_load(load, pool)
         if decision is None or decision.action != "take_back":
             self.calm_at = asked_at
         elif busy > self.config.take_back_above and self.calm_at is not None:
             asked_at = self.calm_at
-        if decision is None and busy <= self.config.lend_below:  # a refresh holds the loop: only while quiet
+        # A refresh holds the loop: only while quiet, and not while lending is paused.
+        if decision is None and not paused and busy <= self.config.lend_below:
             decision = self.refresh()
             asked_at = self.calm_at  # a take-back if production returned: from the last calm reading
         if decision is None:
@@ -391,16 +399,68 @@ def read_events(settings: Settings) -> list[CapacityEvent]:
     return [CapacityEvent.model_validate_json(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+class LendingPause(BaseModel):
+    """On-call's pause of lending (an incident, a launch coming): kept in `run/` so that a
+    restarted scheduler keeps it."""
+
+    actor: str = Field(description="Who paused: an admin key's id, or `cli:<user>`.")
+    reason: str = Field(min_length=1, description="Why (also in the audit log).")
+    at: datetime = Field(description="When.")
+
+
+def pause_file(settings: Settings) -> Path:
+    return settings.run_dir / "capacity-pause.json"
+
+
+def read_pause(settings: Settings) -> LendingPause | None:
+    path = pause_file(settings)
+    return LendingPause.model_validate_json(path.read_text()) if path.exists() else None
+
+
+def set_pause(settings: Settings, pause: LendingPause | None) -> None:
+    """Pause (or, with None, resume) lending; the scheduler reads it at every poll."""
+    path = pause_file(settings)
+    if pause is None:
+        path.unlink(missing_ok=True)
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(pause.model_dump_json())
+    tmp.replace(path)  # atomic: the scheduler never reads half a file
+
+
 def create_app(scheduler: Scheduler) -> FastAPI:
+    settings = scheduler.settings
     app = FastAPI(title="liverl capacity scheduler")
+    app.state.keys = KeyStore(settings.keys_file)
+    audit = AuditLog(settings.audit_file)
     mount_metrics(app)
 
     @app.get("/health")
     def health() -> dict:
-        pool = read_pool(scheduler.settings)
+        pool = read_pool(settings)
         return {"ok": True, "lent": [r.name for r in pool.lent],
                 "production": [r.name for r in pool.general if r.enabled],
-                "last_event": (read_events(scheduler.settings)[-1:] or [None])[0]}
+                "paused": read_pause(settings),
+                "last_event": (read_events(settings)[-1:] or [None])[0]}
+
+    @app.post("/admin/pause")
+    def pause(body: Reason, key: KeyRecord = Depends(require_admin), wait_s: float = Query(
+            30.0, ge=0, le=600, description="How long to wait for the lent replicas to come back.")) -> dict:
+        """Lend nothing and take every lent replica back, whatever the load, until resumed
+        (admin key; audited; kept across restarts). Answers once no replica is lent, or
+        after `wait_s` with those still lent."""
+        set_pause(settings, LendingPause(actor=key.key_id, reason=body.reason, at=datetime.now(timezone.utc)))
+        audit.record(key.key_id, "capacity.pause", "capacity", body.reason)
+        wait_until(lambda: not read_pool(settings).lent, wait_s, interval=settings.capacity.poll_s)
+        return {"paused": True, "lent": [r.name for r in read_pool(settings).lent]}
+
+    @app.post("/admin/resume")
+    def resume(body: Reason, key: KeyRecord = Depends(require_admin)) -> dict:
+        """Lend again once the load allows (after `lend_after_s` of quiet, as ever)."""
+        set_pause(settings, None)
+        audit.record(key.key_id, "capacity.resume", "capacity", body.reason)
+        return {"paused": False}
 
     return app
 

@@ -11,17 +11,22 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from fastapi.testclient import TestClient
 from helpers import serving_load, wait_for
+from typer.testing import CliRunner
 
 import liverl.pool
 import serving.swap
+from app.cli import app
 from app.demo import demo_settings
+from app.stack import status as stack_status
+from liverl.audit import AuditLog
 from liverl.contracts import CapacityEvent
 from liverl.kafka import make_producer
 from liverl.pool import ROLLOUT, Pool, Replica, read_pool, write_pool
 from liverl.settings import CapacityConfig, PromotionConfig, RolloutsConfig, Settings
 from rollouts.worker import RolloutWorker
-from serving.capacity import Decision, Hysteresis, Scheduler, read_events
+from serving.capacity import Decision, Hysteresis, Scheduler, create_app, read_events, read_pause, set_pause
 from liverl.load import GatewayLoad
 from sync.replica import ReplicaSync
 
@@ -80,12 +85,13 @@ def test_take_back_at_once_above_the_upper_threshold_and_not_between_the_two():
     assert rules.decide(0.6, load(), stuck, False, frozenset({"r0"})) is None
 
 
-def test_a_take_back_whose_swap_failed_is_retried_after_a_pause_not_at_every_poll(monkeypatch):
+def test_a_take_back_whose_swap_failed_is_retried_after_a_pause_not_at_every_poll(monkeypatch, tmp_path):
     """A swap back to stable that fails (injected: a real replica cannot be made to fail on
     demand here) leaves the replica out of production; the next polls do not hammer it."""
     scheduler = Scheduler.__new__(Scheduler)
     scheduler.config, scheduler.rules = CONFIG.model_copy(update={"retry_s": 60}), Hysteresis(CONFIG)
-    scheduler.settings, scheduler.retry_at, scheduler.calm_at = SimpleNamespace(promotion=PromotionConfig()), {}, None
+    scheduler.settings = SimpleNamespace(run_dir=tmp_path, promotion=PromotionConfig())
+    scheduler.retry_at, scheduler.calm_at = {}, None
     monkeypatch.setattr("serving.capacity.read_pool", lambda settings: pool(lent=1))
     monkeypatch.setattr(Scheduler, "gateway_load", lambda self: load({"r1": 1}, waiting=2, requests_per_s=1.0))
     monkeypatch.setattr(Scheduler, "canary_wanted", lambda self, p: False)
@@ -104,7 +110,7 @@ def test_a_take_back_whose_swap_failed_is_retried_after_a_pause_not_at_every_pol
     assert scheduler.step().error == "swap failed" and tries == ["r0", "r0"]
 
 
-def test_a_candidate_takes_a_replica_back_only_when_there_is_traffic_to_judge_it(monkeypatch):
+def test_a_candidate_takes_a_replica_back_only_when_there_is_traffic_to_judge_it(monkeypatch, tmp_path):
     scheduler = Scheduler.__new__(Scheduler)
     scheduler.config, scheduler.rules, scheduler.retry_at, scheduler.calm_at = CONFIG, Hysteresis(CONFIG), {}, None
     monkeypatch.setattr("serving.capacity.read_pool", lambda settings: pool(lent=1))
@@ -113,25 +119,25 @@ def test_a_candidate_takes_a_replica_back_only_when_there_is_traffic_to_judge_it
     monkeypatch.setattr(Scheduler, "take_back", lambda self, decision, asked_at: CapacityEvent(
         action="take_back", replica=decision.replica, policy_version="v3", load=decision.load, why=decision.why,
         seconds=0.1))
-    scheduler.settings = SimpleNamespace(promotion=PromotionConfig())
+    scheduler.settings = SimpleNamespace(run_dir=tmp_path, promotion=PromotionConfig())
     monkeypatch.setattr(Scheduler, "gateway_load", lambda self: load())  # a trough: nobody to judge it
     assert scheduler.step() is None
     monkeypatch.setattr(Scheduler, "gateway_load", lambda self: load(requests_per_s=0.5))
     assert scheduler.step().why == "a canary needs the replica"
     # Traffic too thin to judge a canary on (one user at night) leaves the replica lent too.
-    scheduler.settings = SimpleNamespace(promotion=PromotionConfig(quiet_requests_per_s=15.0))
+    scheduler.settings = SimpleNamespace(run_dir=tmp_path, promotion=PromotionConfig(quiet_requests_per_s=15.0))
     monkeypatch.setattr(Scheduler, "gateway_load", lambda self: load(requests_per_s=12.0))
     assert scheduler.step() is None
     monkeypatch.setattr(Scheduler, "gateway_load", lambda self: load(requests_per_s=20.0))
     assert scheduler.step().why == "a canary needs the replica"
 
 
-def test_a_take_back_is_timed_from_the_last_calm_reading_so_a_refresh_in_the_way_counts(monkeypatch):
+def test_a_take_back_is_timed_from_the_last_calm_reading_so_a_refresh_in_the_way_counts(monkeypatch, tmp_path):
     # The loop reads no load while a refresh swaps the lent replica: a peak that arrives
     # meanwhile waits for it, and the take-back's seconds must say so.
     scheduler = Scheduler.__new__(Scheduler)
     scheduler.config, scheduler.rules, scheduler.retry_at, scheduler.calm_at = CONFIG, Hysteresis(CONFIG), {}, None
-    scheduler.settings = SimpleNamespace(promotion=PromotionConfig())
+    scheduler.settings = SimpleNamespace(run_dir=tmp_path, promotion=PromotionConfig())
     monkeypatch.setattr("serving.capacity.read_pool", lambda settings: pool(lent=1))
     monkeypatch.setattr(Scheduler, "canary_wanted", lambda self, p: False)
     monkeypatch.setattr(Scheduler, "refresh", lambda self: time.sleep(0.3))  # a swap to the newest version
@@ -200,6 +206,64 @@ def test_a_look_that_raises_is_logged_and_the_scheduler_looks_again(monkeypatch)
     monkeypatch.setattr(Scheduler, "step", step)
     scheduler.run(stop)
     assert len(looks) == 3
+
+
+def test_a_pause_takes_every_lent_replica_back_and_lends_none_until_resumed():
+    rules, why = Hysteresis(CONFIG), "lending paused by on-call: a launch at noon"
+    back = rules.decide(0, load(), pool(lent=1), False, paused=why)  # no load at all
+    assert back.action == "take_back" and back.replica == "r0" and back.why == why
+    for now in (1, 100, 1000):  # quiet for ever: nothing lent
+        assert rules.decide(now, load(), pool(), False, paused=why) is None
+    assert rules.decide(1001, load(), pool(), False) is None  # resumed: a quiet period of its own first
+    assert rules.decide(1001 + CONFIG.lend_after_s, load(), pool(), False).action == "lend"
+
+
+def test_on_call_pauses_lending_through_the_api_and_a_restart_keeps_it(settings, paused_learner, dev_keys):
+    fast = settings.capacity.model_copy(update={"enabled": True, "lend_after_s": 1.0, "poll_s": 0.05})
+    configured = settings.model_copy(update={"capacity": fast})
+    scheduler, stop = Scheduler(configured), threading.Event()
+    loop = threading.Thread(target=scheduler.run, args=(stop,))
+    loop.start()
+    admin = {"Authorization": f"Bearer {dev_keys['admin_key']}"}
+    try:
+        with TestClient(create_app(scheduler)) as api:
+            wait_for(lambda: read_pool(settings).lent, timeout=60)
+            assert api.post("/admin/pause", json={"reason": " "}, headers=admin).status_code == 422
+            tenant = {"Authorization": f"Bearer {dev_keys['tenant_key']}"}
+            assert api.post("/admin/pause", json={"reason": "x"}, headers=tenant).status_code == 403
+            paused = api.post("/admin/pause", json={"reason": "a launch at noon"}, headers=admin)
+            assert paused.json() == {"paused": True, "lent": []}  # it answers once every lent replica is back
+            assert all(r.enabled and r.alias is None for r in read_pool(settings).replicas)
+            back = read_events(settings)[-1]
+            assert back.action == "take_back" and back.why.endswith("a launch at noon")
+            time.sleep(3 * fast.lend_after_s)  # quiet, and nothing lent
+            assert not read_pool(settings).lent and read_events(settings)[-1] == back
+            assert api.get("/health").json()["paused"]["reason"] == "a launch at noon"
+            assert stack_status(settings)["lending_paused"]["reason"] == "a launch at noon"  # liverl status
+            assert Scheduler(configured).step() is None  # a restarted scheduler is paused too
+            assert [e.reason for e in AuditLog(settings.audit_file).entries(action="capacity.pause")] == [
+                "a launch at noon"]
+            assert api.post("/admin/resume", json={"reason": "launched"}, headers=admin).json() == {"paused": False}
+            wait_for(lambda: read_pool(settings).lent, timeout=60)
+            # Back as the other tests expect the pool: nothing lent, lending on.
+            assert api.post("/admin/pause", json={"reason": "end of test"}, headers=admin).json()["lent"] == []
+    finally:
+        stop.set()
+        loop.join(timeout=60)
+        set_pause(settings, None)
+
+
+def test_the_cli_pauses_lending_itself_when_the_scheduler_is_down(tmp_path):
+    runner = CliRunner(env={"LIVERL_ADMIN_KEY": "on-call's key"})
+    paused = runner.invoke(app, ["capacity", "pause", "--reason", "an incident", "--data-dir", str(tmp_path)])
+    assert paused.exit_code == 0 and "lending paused for when the scheduler runs" in paused.output
+    settings = Settings(data_dir=tmp_path)
+    assert read_pause(settings).reason == "an incident" and read_pause(settings).actor.startswith("cli:")
+    status = runner.invoke(app, ["capacity", "status", "--data-dir", str(tmp_path)], env={"COLUMNS": "200"})
+    assert status.exit_code == 0 and "lending paused by cli:" in status.output and "an incident" in status.output
+    resumed = runner.invoke(app, ["capacity", "resume", "--reason", "over", "--data-dir", str(tmp_path)])
+    assert resumed.exit_code == 0 and read_pause(settings) is None
+    assert [e.action for e in AuditLog(settings.audit_file).entries()] == ["capacity.pause", "capacity.resume"]
 
 
 def test_hysteresis_needs_the_upper_threshold_above_the_lower():
@@ -356,7 +420,7 @@ def test_a_refresh_changes_the_weights_only_once_no_rollout_request_runs(monkeyp
     assert steps == ["disable", "drain", "abort", "swap to v5", "enable"]
 
 
-def test_a_refresh_gives_way_at_once_when_production_returns_during_its_drain(monkeypatch):
+def test_a_refresh_gives_way_at_once_when_production_returns_during_its_drain(monkeypatch, tmp_path):
     # A refresh waits up to swap_drain_s (5 s) for running groups: a peak that arrived
     # meanwhile waited for the drain and the swap, past the take-back bound. Now the drain
     # reads production's load as it waits, and the replica goes straight back, not swapped.
@@ -364,7 +428,8 @@ def test_a_refresh_gives_way_at_once_when_production_returns_during_its_drain(mo
     scheduler.config, scheduler.rules, scheduler.retry_at, scheduler.calm_at = \
         CONFIG.model_copy(update={"refresh_s": 0.0}), Hysteresis(CONFIG), {}, None
     scheduler.refreshed = {}
-    scheduler.settings = SimpleNamespace(promotion=PromotionConfig(), serving=SimpleNamespace(swap_drain_s=5.0),
+    scheduler.settings = SimpleNamespace(run_dir=tmp_path, promotion=PromotionConfig(),
+                                         serving=SimpleNamespace(swap_drain_s=5.0),
                                          sync=SimpleNamespace(transport="full"))
     scheduler.keeping = SimpleNamespace(done=lambda: False)
     monkeypatch.setattr(Scheduler, "rollout_version", lambda self: SimpleNamespace(version="v5"))
