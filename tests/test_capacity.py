@@ -240,7 +240,9 @@ def test_on_call_pauses_lending_through_the_api_and_a_restart_keeps_it(settings,
             assert not read_pool(settings).lent and read_events(settings)[-1] == back
             assert api.get("/health").json()["paused"]["reason"] == "a launch at noon"
             assert stack_status(settings)["lending_paused"]["reason"] == "a launch at noon"  # liverl status
-            assert Scheduler(configured).step() is None  # a restarted scheduler is paused too
+            # A restarted scheduler is paused too (with no wait for quiet, unpaused it would lend at once).
+            eager = configured.model_copy(update={"capacity": fast.model_copy(update={"lend_after_s": 0.0})})
+            assert Scheduler(eager).step() is None
             assert [e.reason for e in AuditLog(settings.audit_file).entries(action="capacity.pause")] == [
                 "a launch at noon"]
             assert api.post("/admin/resume", json={"reason": "launched"}, headers=admin).json() == {"paused": False}
