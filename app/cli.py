@@ -85,12 +85,12 @@ def status(data_dir: Optional[Path] = DataDir, as_json: bool = typer.Option(Fals
     # Only replicas serve a policy version; the other components have none to show.
     print_rows([{k: c.get(k) for k in ("name", "pid", "url", "healthy", "policy_version", "role")}
                 for c in report["components"]], f"cluster {report['cluster_id']}")
-    if pause := report["lending_paused"]:
+    if pause := report["lending"]["paused"]:
         console.print(f"lending to rollouts paused by {pause['actor']} at {pause['at']}: {pause['reason']}")
-    if report["capacity_events"]:
+    if report["lending"]["events"]:
         print_rows([{k: e[k] for k in ("timestamp", "action", "replica", "policy_version", "load",
                                        "tokens_per_s", "seconds", "bound_s", "why")}
-                    for e in report["capacity_events"]], "replicas lent to rollouts and taken back (latest)")
+                    for e in report["lending"]["events"]], "replicas lent to rollouts and taken back (latest)")
     if report["heldout"]:
         print_rows(report["heldout"], "held-out pass rate, latest versions scored (lost_skill: the held-out watch)")
     console.print(f"development keys: {report['keys_file']}")
@@ -648,7 +648,7 @@ def capacity_call(data_dir: Optional[Path], verb: str, reason: str) -> None:
     directly (it reads it when it starts)."""
     import getpass
 
-    from serving.capacity import LendingPause, set_pause
+    from liverl.lending import LendingPause, set_pause
 
     settings = settings_from(data_dir)
 
@@ -680,19 +680,15 @@ def capacity_resume(reason: str = Reason, data_dir: Optional[Path] = DataDir) ->
 def capacity_status(data_dir: Optional[Path] = DataDir, as_json: bool = Json) -> None:
     """Whether lending is paused (who, why), the replicas lent and in production, and the
     latest lends and take-backs."""
-    from liverl.pool import read_pool
-    from serving.capacity import read_events, read_pause
+    from liverl.lending import lending_state
 
-    settings = settings_from(data_dir)
-    pool, pause = read_pool(settings), read_pause(settings)
-    report = {"paused": pause and pause.model_dump(mode="json"), "lent": [r.name for r in pool.lent],
-              "production": [r.name for r in pool.general if r.enabled],
-              "events": [e.model_dump(mode="json") for e in read_events(settings)[-5:]]}
+    report = lending_state(settings_from(data_dir))
     if as_json:
         console.print_json(json.dumps(report))
         return
-    console.print(f"lending paused by {pause.actor} at {pause.at:%Y-%m-%d %H:%M:%S} UTC: {pause.reason}"
-                  if pause else "lending on (when the load allows)")
+    pause = report["paused"]
+    console.print(f"lending paused by {pause['actor']} at {pause['at']}: {pause['reason']}" if pause
+                  else "lending on (when the load allows)" if report["enabled"] else "lending off (capacity.enabled)")
     console.print(f"lent: {', '.join(report['lent']) or 'none'}; production: {', '.join(report['production'])}")
     if report["events"]:
         print_rows([{k: e[k] for k in ("timestamp", "action", "replica", "policy_version", "load", "seconds", "why")}

@@ -538,7 +538,7 @@ def run_demo(settings: Settings, minutes: float, users: int, seed: int, max_toke
         stop_sources(settings, ("rollouts", "capacity", "evaluator"))
         day = None
         if day_minutes:
-            from serving.capacity import read_events
+            from liverl.lending import read_events
 
             day = capacity_summary(pop, read_events(settings), status["rollouts"], active, tokens)
             day["load"] = active

@@ -26,6 +26,7 @@ import httpx
 from liverl.contracts import Topics
 from liverl.kafka import ensure_topics, group_lag
 from liverl.keys import KeyStore, admin_headers, write_private
+from liverl.lending import lending_state
 from liverl.manifest import (
     Component,
     Manifest,
@@ -38,7 +39,6 @@ from liverl.process import alive, spawn, stop_pid, wait_until, yield_cpu
 from liverl.settings import EmbeddedBroker, Settings
 from policies.importer import import_version
 from policies.registry import HELDOUT_REGRESSION, Registry
-from serving.capacity import read_events, read_pause
 from serving.replicas import (
     ReplicaError,
     launch_replica,
@@ -364,8 +364,7 @@ def status(settings: Settings) -> dict:
                          role="starting (blue/green swap)", healthy=False))
     return {"running": True, "cluster_id": manifest.cluster_id,
             "keys_file": str(settings.data_dir / "dev-keys.json"), "components": rows,
-            "capacity_events": [e.model_dump(mode="json") for e in read_events(settings)[-5:]],
-            "lending_paused": (pause := read_pause(settings)) and pause.model_dump(mode="json"),
+            "lending": lending_state(settings),
             "heldout": heldout_status(Registry(settings.policies_dir))}
 
 

@@ -1,7 +1,8 @@
 """On-call's dashboard, served by the promotion controller at `/dashboard`.
 
 One page: versions and their states, what serves where (aliases, the canary's traffic
-share, each replica), reward and accept rate per version over time with intervals
+share, each replica), lending to rollouts (paused or not, the latest lends and
+take-backs), reward and accept rate per version over time with intervals
 (SVG drawn here from ClickHouse's figures), the learner's progress, sync, and the audit
 history; promote, abort, pin and rollback buttons call the same admin API, with the
 same checks, and each asks for a reason. It refreshes itself.
@@ -31,6 +32,7 @@ from itsdangerous import BadSignature, URLSafeTimedSerializer
 
 from liverl.audit import AuditLog
 from liverl.keys import KeyRecord, KeyStore, require_admin, require_key
+from liverl.lending import lending_state
 from liverl.pool import read_pool
 from liverl.settings import Settings
 from promotion.sequential import wilson
@@ -163,6 +165,7 @@ def dashboard_router(controller: Controller, audit: AuditLog) -> APIRouter:
                         "replicas": [{"name": r.name, "version": r.policy_version, "enabled": r.enabled,
                                       "alias": r.alias, "in_sync": r.policy_version in pool.aliases.values()}
                                      for r in pool.replicas]},
+            "lending": lending_state(settings),
             "learner": learner,
             "history": registry.history()[-30:][::-1],
             "audit": [e.model_dump(mode="json") for e in reversed(audit.entries(limit=30))],
@@ -188,9 +191,19 @@ def dashboard_router(controller: Controller, audit: AuditLog) -> APIRouter:
 
 
 def rates_svg(rows: list[dict], bucket_s: int, minutes: int) -> str:
-    """Two panels, a line per version with its interval as a band. Text stays text (the
-    page and its test can read the legend); each line's group is id'd `accept-<version>`."""
+    """The plot as inline SVG. Text stays text (the page and its test can read the
+    legend); each line's group is id'd `accept-<version>` / `reward-<version>`."""
     from matplotlib import rc_context
+
+    with rc_context({"svg.fonttype": "none", "svg.hashsalt": "liverl"}):
+        out = io.StringIO()
+        rates_figure(rows, bucket_s, minutes, time.time()).savefig(out, format="svg")
+    text = out.getvalue()
+    return text[text.index("<svg"):]  # inline in the page: no XML prolog
+
+
+def rates_figure(rows: list[dict], bucket_s: int, minutes: int, now: float):
+    """Two panels, a line per version with its interval as a band, against minutes before `now`."""
     from matplotlib.figure import Figure
 
     series: dict[str, dict[int, list[float]]] = {}  # version -> bucket -> judged, accepted, n, sum, squares
@@ -198,46 +211,41 @@ def rates_svg(rows: list[dict], bucket_s: int, minutes: int) -> str:
         cell = series.setdefault(row["policy_version"], {}).setdefault(row["bucket"], [0, 0, 0, 0.0, 0.0])
         for i, name in enumerate(("judged", "accepted", "samples", "reward_sum", "reward_squares")):
             cell[i] += row[name]
-    with rc_context({"svg.fonttype": "none", "svg.hashsalt": "liverl"}):
-        figure = Figure(figsize=(9, 5.2), layout="constrained")
-        accept_axes, reward_axes = figure.subplots(2, 1, sharex=True)
-        now = time.time()
+    figure = Figure(figsize=(9, 5.2), layout="constrained")
+    accept_axes, reward_axes = figure.subplots(2, 1, sharex=True)
 
-        def ago(t: int) -> float:  # a bucket's middle, in minutes from now
-            return (t + bucket_s / 2 - now) / 60
+    def ago(t: int) -> float:  # the middle of what a bucket covers so far (the newest is still open), in minutes
+        return ((t + min(t + bucket_s, now)) / 2 - now) / 60
 
-        for version, buckets in sorted(series.items(), key=lambda kv: min(kv[1])):
-            times = sorted(buckets)
-            x = [ago(t) for t in times]
-            judged = [(t, buckets[t]) for t in times if buckets[t][0]]
-            if judged:
-                xj = [ago(t) for t, _ in judged]
-                bands = [wilson(int(c[1]), int(c[0])) for _, c in judged]
-                (line,) = accept_axes.plot(xj, [c[1] / c[0] for _, c in judged], marker=".", label=version)
-                line.set_gid(f"accept-{version}")
-                accept_axes.fill_between(xj, [b[0] for b in bands], [b[1] for b in bands], alpha=0.2,
-                                         color=line.get_color())
-            means = [buckets[t][3] / buckets[t][2] for t in times]
-            half = [1.96 * max(buckets[t][4] / buckets[t][2] - m * m, 0.0) ** 0.5 / buckets[t][2] ** 0.5
-                    for t, m in zip(times, means)]
-            (line,) = reward_axes.plot(x, means, marker=".", label=version)
-            line.set_gid(f"reward-{version}")
-            reward_axes.fill_between(x, [m - h for m, h in zip(means, half)], [m + h for m, h in zip(means, half)],
-                                     alpha=0.2, color=line.get_color())
-        accept_axes.set_ylabel("accept rate")
-        accept_axes.set_ylim(0, 1)
-        reward_axes.set_ylabel("mean reward")
-        reward_axes.set_xlabel("minutes from now (judged production completions)")
-        reward_axes.set_xlim(-minutes, 0)
-        if series:
-            accept_axes.legend(loc="upper left", fontsize="small", ncols=4)
-        else:
-            accept_axes.text(0.5, 0.5, "no judged completions in this period", ha="center",
-                             transform=accept_axes.transAxes)
-        out = io.StringIO()
-        figure.savefig(out, format="svg")
-    text = out.getvalue()
-    return text[text.index("<svg"):]  # inline in the page: no XML prolog
+    for version, buckets in sorted(series.items(), key=lambda kv: min(kv[1])):
+        times = sorted(buckets)
+        x = [ago(t) for t in times]
+        judged = [(t, buckets[t]) for t in times if buckets[t][0]]
+        if judged:
+            xj = [ago(t) for t, _ in judged]
+            bands = [wilson(int(c[1]), int(c[0])) for _, c in judged]
+            (line,) = accept_axes.plot(xj, [c[1] / c[0] for _, c in judged], marker=".", label=version)
+            line.set_gid(f"accept-{version}")
+            accept_axes.fill_between(xj, [b[0] for b in bands], [b[1] for b in bands], alpha=0.2,
+                                     color=line.get_color())
+        means = [buckets[t][3] / buckets[t][2] for t in times]
+        half = [1.96 * max(buckets[t][4] / buckets[t][2] - m * m, 0.0) ** 0.5 / buckets[t][2] ** 0.5
+                for t, m in zip(times, means)]
+        (line,) = reward_axes.plot(x, means, marker=".", label=version)
+        line.set_gid(f"reward-{version}")
+        reward_axes.fill_between(x, [m - h for m, h in zip(means, half)], [m + h for m, h in zip(means, half)],
+                                 alpha=0.2, color=line.get_color())
+    accept_axes.set_ylabel("accept rate")
+    accept_axes.set_ylim(0, 1)
+    reward_axes.set_ylabel("mean reward")
+    reward_axes.set_xlabel("minutes from now (judged production completions)")
+    reward_axes.set_xlim(-minutes, 0)
+    if series:
+        accept_axes.legend(loc="upper left", fontsize="small", ncols=4)
+    else:
+        accept_axes.text(0.5, 0.5, "no judged completions in this period", ha="center",
+                         transform=accept_axes.transAxes)
+    return figure
 
 
 def mount_dashboard(app, controller: Controller, audit: AuditLog) -> None:

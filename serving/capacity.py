@@ -46,12 +46,12 @@ from typing import Literal
 import httpx
 from fastapi import Depends, FastAPI, Query
 from prometheus_client import Counter, Gauge
-from pydantic import BaseModel, Field
 
 from liverl.audit import AuditLog, Reason
 from liverl.contracts import CapacityEvent, Topics
 from liverl.kafka import encode, produce_sync
 from liverl.keys import KeyRecord, KeyStore, require_admin
+from liverl.lending import LendingPause, lending_state, read_pause, record_event, set_pause
 from liverl.load import GatewayLoad, read_gateway_load
 from liverl.observability import log, mount_metrics, setup_logging
 from liverl.pool import ROLLOUT, Pool, edit_pool, read_pool, replica_client, replica_lock, set_replica
@@ -321,8 +321,7 @@ class Scheduler:
             logger.warning("take-back over its bound", extra={"fields": dict(
                 replica=decision.replica, seconds=round(seconds, 3), bound_s=bound, steps=event.steps)})
         LENT.set(len(read_pool(self.settings).lent))
-        with open(events_file(self.settings), "a") as out:
-            out.write(event.model_dump_json() + "\n")
+        record_event(self.settings, event)
         try:
             produce_sync(self.settings, Topics.CAPACITY, encode(event))
         except Exception as error:  # the log file and the metric have it; analytics may be down
@@ -390,45 +389,6 @@ def abort_rollouts(url: str) -> int | None:
         return None
 
 
-def events_file(settings: Settings) -> Path:
-    return settings.run_dir / "capacity.jsonl"
-
-
-def read_events(settings: Settings) -> list[CapacityEvent]:
-    path = events_file(settings)
-    return [CapacityEvent.model_validate_json(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-class LendingPause(BaseModel):
-    """On-call's pause of lending (an incident, a launch coming): kept in `run/` so that a
-    restarted scheduler keeps it."""
-
-    actor: str = Field(description="Who paused: an admin key's id, or `cli:<user>`.")
-    reason: str = Field(min_length=1, description="Why (also in the audit log).")
-    at: datetime = Field(description="When.")
-
-
-def pause_file(settings: Settings) -> Path:
-    return settings.run_dir / "capacity-pause.json"
-
-
-def read_pause(settings: Settings) -> LendingPause | None:
-    path = pause_file(settings)
-    return LendingPause.model_validate_json(path.read_text()) if path.exists() else None
-
-
-def set_pause(settings: Settings, pause: LendingPause | None) -> None:
-    """Pause (or, with None, resume) lending; the scheduler reads it at every poll."""
-    path = pause_file(settings)
-    if pause is None:
-        path.unlink(missing_ok=True)
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(pause.model_dump_json())
-    tmp.replace(path)  # atomic: the scheduler never reads half a file
-
-
 def create_app(scheduler: Scheduler) -> FastAPI:
     settings = scheduler.settings
     app = FastAPI(title="liverl capacity scheduler")
@@ -438,11 +398,7 @@ def create_app(scheduler: Scheduler) -> FastAPI:
 
     @app.get("/health")
     def health() -> dict:
-        pool = read_pool(settings)
-        return {"ok": True, "lent": [r.name for r in pool.lent],
-                "production": [r.name for r in pool.general if r.enabled],
-                "paused": read_pause(settings),
-                "last_event": (read_events(settings)[-1:] or [None])[0]}
+        return {"ok": True, **lending_state(settings, latest=1)}
 
     @app.post("/admin/pause")
     def pause(body: Reason, key: KeyRecord = Depends(require_admin), wait_s: float = Query(

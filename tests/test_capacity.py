@@ -23,10 +23,11 @@ from app.stack import status as stack_status
 from liverl.audit import AuditLog
 from liverl.contracts import CapacityEvent
 from liverl.kafka import make_producer
+from liverl.lending import read_events, read_pause, set_pause
 from liverl.pool import ROLLOUT, Pool, Replica, read_pool, write_pool
 from liverl.settings import CapacityConfig, PromotionConfig, RolloutsConfig, Settings
 from rollouts.worker import RolloutWorker
-from serving.capacity import Decision, Hysteresis, Scheduler, create_app, read_events, read_pause, set_pause
+from serving.capacity import Decision, Hysteresis, Scheduler, create_app
 from liverl.load import GatewayLoad
 from sync.replica import ReplicaSync
 
@@ -239,7 +240,7 @@ def test_on_call_pauses_lending_through_the_api_and_a_restart_keeps_it(settings,
             time.sleep(3 * fast.lend_after_s)  # quiet, and nothing lent
             assert not read_pool(settings).lent and read_events(settings)[-1] == back
             assert api.get("/health").json()["paused"]["reason"] == "a launch at noon"
-            assert stack_status(settings)["lending_paused"]["reason"] == "a launch at noon"  # liverl status
+            assert stack_status(settings)["lending"]["paused"]["reason"] == "a launch at noon"  # liverl status
             # A restarted scheduler is paused too (with no wait for quiet, unpaused it would lend at once).
             eager = configured.model_copy(update={"capacity": fast.model_copy(update={"lend_after_s": 0.0})})
             assert Scheduler(eager).step() is None

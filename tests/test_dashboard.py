@@ -6,6 +6,7 @@ rollback clicked in the page is verified serving on every replica."""
 from __future__ import annotations
 
 import shutil
+from datetime import datetime, timezone
 from pathlib import Path
 
 import httpx
@@ -13,9 +14,12 @@ import pytest
 from helpers import serve_and_judge
 from test_operations import publish_copy
 
+from liverl.contracts import CapacityEvent
 from liverl.keys import admin_headers, admin_key
+from liverl.lending import LendingPause, events_file, record_event, set_pause
 from liverl.pool import read_pool
 from policies.registry import Registry
+from promotion.dashboard import rates_figure
 
 SCREENSHOT = Path(__file__).parents[1] / "docs" / "dashboard.png"
 
@@ -47,6 +51,47 @@ def test_a_tenant_key_never_sees_the_dashboard(settings, dev_keys, stack):
     assert httpx.get(base + "/dashboard/state", cookies={"liverl_session": "forged"}, timeout=30).status_code == 401
 
 
+def test_the_newest_figures_are_drawn_inside_the_plot():
+    """The bucket still open (the last minute of an incident, the one on-call looks for)
+    sits inside the plot, at the middle of what it covers so far, not past its right edge."""
+    now, bucket_s = 1_800_000_000.0, 45
+    row = {"policy_version": "v1", "tenant": "t", "judged": 4, "accepted": 3, "samples": 4, "reward_sum": 3.0,
+           "reward_squares": 3.0}
+    rows = [row | {"bucket": int(now) - 5}, row | {"bucket": int(now) - 5 - bucket_s}]
+    figure = rates_figure(rows, bucket_s, 30, now)
+    for axes in figure.axes:
+        (line,) = [line for line in axes.lines if line.get_gid() in ("accept-v1", "reward-v1")]
+        left, right = axes.get_xlim()
+        assert all(left <= x <= right for x in line.get_xdata()), (line.get_gid(), list(line.get_xdata()))
+        assert list(line.get_xdata()) == [-(bucket_s + 5 - bucket_s / 2) / 60, -2.5 / 60]
+
+
+def test_the_dashboard_shows_lending_paused_and_the_latest_lends_and_take_backs(settings, stack):
+    """On-call sees on the dashboard what `liverl capacity status` says: who paused
+    lending and why, and the replicas lent and taken back lately."""
+    controller = settings.url(settings.ports.controller)
+    kept = events_file(settings).read_text() if events_file(settings).exists() else None
+    take_back = CapacityEvent(action="take_back", replica="replica-1", policy_version="v3", load=2.0,
+                              why="load 2.00 per production replica, above take_back_above 1.0", seconds=0.4)
+    try:
+        record_event(settings, take_back)
+        set_pause(settings, LendingPause(actor="cli:oncall", reason="incident 7: hold rollouts",
+                                         at=datetime.now(timezone.utc)))
+        lending = httpx.get(controller + "/dashboard/state", headers=admin_headers(settings), timeout=30).json()["lending"]
+        assert lending["paused"]["reason"] == "incident 7: hold rollouts" and lending["paused"]["actor"] == "cli:oncall"
+        assert lending["events"][-1]["why"] == take_back.why and lending["events"][-1]["seconds"] == 0.4
+        assert lending["lent"] == [] and not lending["enabled"]
+        set_pause(settings, None)
+        lending = httpx.get(controller + "/dashboard/state", headers=admin_headers(settings), timeout=30).json()["lending"]
+        assert lending["paused"] is None
+    finally:
+        set_pause(settings, None)
+        if kept is None:
+            events_file(settings).unlink(missing_ok=True)
+        else:
+            events_file(settings).write_text(kept)
+
+
 def test_on_call_logs_in_reads_live_plots_and_rolls_back_from_the_page(
         settings, dev_keys, stack, paused_learner, browser):
     from selenium.common.exceptions import StaleElementReferenceException
@@ -72,6 +117,12 @@ def test_on_call_logs_in_reads_live_plots_and_rolls_back_from_the_page(
     browser.find_element(By.ID, "key").send_keys(admin_key(settings))
     browser.find_element(By.ID, "login").click()
     wait.until(seen.presence_of_element_located((By.ID, "versions")))  # the dashboard, not the login page
+    set_pause(settings, LendingPause(actor="cli:oncall", reason="a launch at noon", at=datetime.now(timezone.utc)))
+    try:  # the page draws lending's state as it changes
+        wait.until(seen.text_to_be_present_in_element((By.ID, "lending"), "paused by cli:oncall"))
+    finally:
+        set_pause(settings, None)
+    wait.until(seen.text_to_be_present_in_element((By.ID, "lending"), "off (capacity.enabled is false)"))
     # Both versions' curves, drawn from their judged completions once the reward window closes.
     for version in (before, candidate.version):
         WebDriverWait(browser, 90, poll_frequency=2).until(

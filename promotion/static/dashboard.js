@@ -54,6 +54,17 @@ function render(state) {
          r.alias === "rollout" ? (r.enabled ? "lent to rollouts" : "lent; being taken back")
            : !r.enabled ? "no (swapping)" : r.alias ? `only alias ${r.alias}` : "yes",
          r.in_sync ? "yes" : "no"])));
+  const lending = state.lending;
+  const pause = lending.paused;
+  $("#lending").textContent = (pause ? `paused by ${pause.actor} at ${new Date(pause.at).toLocaleString()}: ${pause.reason}`
+    : lending.enabled ? "on (when production's load allows)" : "off (capacity.enabled is false)")
+    + ` · lent: ${lending.lent.join(", ") || "none"}`;
+  $("#lending").className = pause ? "error" : "";
+  $("#lending-events").hidden = !lending.events.length;
+  fill("#lending-events", lending.events.slice().reverse().map((e) =>
+    row([new Date(e.timestamp).toLocaleString(), e.action === "lend" ? "lent" : "taken back", e.replica,
+         e.policy_version, e.load.toFixed(2), e.seconds.toFixed(2) + (e.error ? ` (failed: ${e.error})` : ""), e.why],
+        { 6: "reason" })));
   const learner = state.learner;
   const learnerRows = learner.error ? [["status", learner.error]] : [
     ["version", learner.version], ["versions ahead of stable", learner.versions_ahead_of_stable],

@@ -1,0 +1,67 @@
+"""Lending's records, which the capacity scheduler writes and on-call reads (`liverl
+status`, `liverl capacity status`, the dashboard): every lend and take-back
+(`run/capacity.jsonl`), and on-call's pause of lending (`run/capacity-pause.json`)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from pathlib import Path
+
+from pydantic import BaseModel, Field
+
+from liverl.contracts import CapacityEvent
+from liverl.pool import read_pool
+from liverl.settings import Settings
+
+
+def events_file(settings: Settings) -> Path:
+    return settings.run_dir / "capacity.jsonl"
+
+
+def record_event(settings: Settings, event: CapacityEvent) -> None:
+    with open(events_file(settings), "a") as out:
+        out.write(event.model_dump_json() + "\n")
+
+
+def read_events(settings: Settings) -> list[CapacityEvent]:
+    path = events_file(settings)
+    return [CapacityEvent.model_validate_json(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+class LendingPause(BaseModel):
+    """On-call's pause of lending (an incident, a launch coming): kept in `run/` so that a
+    restarted scheduler keeps it."""
+
+    actor: str = Field(description="Who paused: an admin key's id, or `cli:<user>`.")
+    reason: str = Field(min_length=1, description="Why (also in the audit log).")
+    at: datetime = Field(description="When.")
+
+
+def pause_file(settings: Settings) -> Path:
+    return settings.run_dir / "capacity-pause.json"
+
+
+def read_pause(settings: Settings) -> LendingPause | None:
+    path = pause_file(settings)
+    return LendingPause.model_validate_json(path.read_text()) if path.exists() else None
+
+
+def set_pause(settings: Settings, pause: LendingPause | None) -> None:
+    """Pause (or, with None, resume) lending; the scheduler reads it at every poll."""
+    path = pause_file(settings)
+    if pause is None:
+        path.unlink(missing_ok=True)
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(pause.model_dump_json())
+    tmp.replace(path)  # atomic: the scheduler never reads half a file
+
+
+def lending_state(settings: Settings, latest: int = 5) -> dict:
+    """What on-call asks of lending, as JSON: on at all, paused (who, when, why), the
+    replicas lent and in production, and the `latest` lends and take-backs."""
+    pool, pause = read_pool(settings), read_pause(settings)
+    return {"enabled": settings.capacity.enabled, "paused": pause and pause.model_dump(mode="json"),
+            "lent": [r.name for r in pool.lent], "production": [r.name for r in pool.general if r.enabled],
+            "events": [e.model_dump(mode="json") for e in read_events(settings)[-latest:]]}
