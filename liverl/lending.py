@@ -4,13 +4,16 @@ status`, `liverl capacity status`, the dashboard): every lend and take-back
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import datetime, timezone
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, Field
 
+from liverl.audit import AuditLog
 from liverl.contracts import CapacityEvent
 from liverl.pool import read_pool
+from liverl.process import wait_until
 from liverl.settings import Settings
 
 
@@ -56,6 +59,19 @@ def set_pause(settings: Settings, pause: LendingPause | None) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(pause.model_dump_json())
     tmp.replace(path)  # atomic: the scheduler never reads half a file
+
+
+def hold_lending(settings: Settings, audit: AuditLog, actor: str, verb: Literal["pause", "resume"], reason: str,
+                 wait_s: float, **details) -> dict:
+    """On-call's pause (the scheduler takes every lent replica back at its next look and
+    lends none until resumed) or resume, audited as `capacity.pause|resume`. A pause answers
+    once no replica is lent, or after `wait_s` with those still lent (the scheduler down)."""
+    set_pause(settings, LendingPause(actor=actor, reason=reason, at=datetime.now(timezone.utc))
+              if verb == "pause" else None)
+    audit.record(actor, f"capacity.{verb}", "capacity", reason, **details)
+    if verb == "pause":
+        wait_until(lambda: not read_pool(settings).lent, wait_s, interval=settings.capacity.poll_s)
+    return {"paused": verb == "pause", "lent": [r.name for r in read_pool(settings).lent]}
 
 
 def lending_state(settings: Settings, latest: int = 5) -> dict:

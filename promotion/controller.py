@@ -43,6 +43,7 @@ from pydantic import BaseModel, Field
 from liverl.audit import AuditLog, Reason
 from liverl.contracts import AliasName, VersionName
 from liverl.keys import KeyRecord, KeyStore, admin_headers
+from liverl.lending import hold_lending
 from liverl.load import read_gateway_load
 from liverl.observability import log, mount_metrics, setup_logging
 from liverl.pool import promotion_lock, read_pool
@@ -715,6 +716,12 @@ def create_app(controller: Controller) -> FastAPI:
             raise HTTPException(503, f"the learner is not answering: {type(error).__name__}") from None
         response.raise_for_status()
         return response.json()
+
+    @app.post("/admin/capacity/{verb}")
+    def lending_control(verb: Literal["pause", "resume"], body: Reason, key: Operator) -> dict:
+        """Pause or resume lending to rollouts, as `liverl capacity pause|resume` (the
+        dashboard's door to it): a pause answers once no replica is lent, or after 30 s."""
+        return hold_lending(controller.settings, audit, key.key_id, verb, body.reason, 30.0, via="controller")
 
     @app.get("/admin/aliases")
     def aliases(key: Operator) -> dict[str, str]:

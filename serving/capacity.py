@@ -39,7 +39,6 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Literal
 
@@ -51,11 +50,11 @@ from liverl.audit import AuditLog, Reason
 from liverl.contracts import CapacityEvent, Topics
 from liverl.kafka import encode, produce_sync
 from liverl.keys import KeyRecord, KeyStore, require_admin
-from liverl.lending import LendingPause, lending_state, read_pause, record_event, set_pause
+from liverl.lending import hold_lending, lending_state, read_pause, record_event
 from liverl.load import GatewayLoad, read_gateway_load
 from liverl.observability import log, mount_metrics, setup_logging
 from liverl.pool import ROLLOUT, Pool, edit_pool, read_pool, replica_client, replica_lock, set_replica
-from liverl.process import serve_beside, wait_until
+from liverl.process import serve_beside
 from liverl.settings import CapacityConfig, Settings, get_settings
 from policies.registry import PolicyVersion, Registry
 from serving.swap import SwapReport, in_flight, replace_replica
@@ -400,23 +399,15 @@ def create_app(scheduler: Scheduler) -> FastAPI:
     def health() -> dict:
         return {"ok": True, **lending_state(settings, latest=1)}
 
-    @app.post("/admin/pause")
-    def pause(body: Reason, key: KeyRecord = Depends(require_admin), wait_s: float = Query(
-            30.0, ge=0, le=600, description="How long to wait for the lent replicas to come back.")) -> dict:
-        """Lend nothing and take every lent replica back, whatever the load, until resumed
-        (admin key; audited; kept across restarts). Answers once no replica is lent, or
-        after `wait_s` with those still lent."""
-        set_pause(settings, LendingPause(actor=key.key_id, reason=body.reason, at=datetime.now(timezone.utc)))
-        audit.record(key.key_id, "capacity.pause", "capacity", body.reason)
-        wait_until(lambda: not read_pool(settings).lent, wait_s, interval=settings.capacity.poll_s)
-        return {"paused": True, "lent": [r.name for r in read_pool(settings).lent]}
-
-    @app.post("/admin/resume")
-    def resume(body: Reason, key: KeyRecord = Depends(require_admin)) -> dict:
-        """Lend again once the load allows (after `lend_after_s` of quiet, as ever)."""
-        set_pause(settings, None)
-        audit.record(key.key_id, "capacity.resume", "capacity", body.reason)
-        return {"paused": False}
+    @app.post("/admin/{verb}")
+    def pause_or_resume(verb: Literal["pause", "resume"], body: Reason, key: KeyRecord = Depends(require_admin),
+                        wait_s: float = Query(30.0, ge=0, le=600, description="How long a pause waits for the "
+                                              "lent replicas to come back.")) -> dict:
+        """Pause: lend nothing and take every lent replica back, whatever the load, until
+        resumed (kept across restarts); answers once no replica is lent, or after `wait_s`
+        with those still lent. Resume: lend again once the load allows (after `lend_after_s`
+        of quiet, as ever). Admin key; audited."""
+        return hold_lending(settings, audit, key.key_id, verb, body.reason, wait_s)
 
     return app
 

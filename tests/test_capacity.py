@@ -246,7 +246,7 @@ def test_on_call_pauses_lending_through_the_api_and_a_restart_keeps_it(settings,
             assert Scheduler(eager).step() is None
             assert [e.reason for e in AuditLog(settings.audit_file).entries(action="capacity.pause")] == [
                 "a launch at noon"]
-            assert api.post("/admin/resume", json={"reason": "launched"}, headers=admin).json() == {"paused": False}
+            assert api.post("/admin/resume", json={"reason": "launched"}, headers=admin).json() == {"paused": False, "lent": []}
             wait_for(lambda: read_pool(settings).lent, timeout=60)
             # Back as the other tests expect the pool: nothing lent, lending on.
             assert api.post("/admin/pause", json={"reason": "end of test"}, headers=admin).json()["lent"] == []

@@ -6,7 +6,6 @@ rollback clicked in the page is verified serving on every replica."""
 from __future__ import annotations
 
 import shutil
-from datetime import datetime, timezone
 from pathlib import Path
 
 import httpx
@@ -14,9 +13,10 @@ import pytest
 from helpers import serve_and_judge
 from test_operations import publish_copy
 
+from liverl.audit import AuditLog
 from liverl.contracts import CapacityEvent
-from liverl.keys import admin_headers, admin_key
-from liverl.lending import LendingPause, events_file, record_event, set_pause
+from liverl.keys import KeyStore, admin_headers, admin_key
+from liverl.lending import events_file, read_pause, record_event, set_pause
 from liverl.pool import read_pool
 from policies.registry import Registry
 from promotion.dashboard import rates_figure
@@ -66,24 +66,37 @@ def test_the_newest_figures_are_drawn_inside_the_plot():
         assert list(line.get_xdata()) == [-(bucket_s + 5 - bucket_s / 2) / 60, -2.5 / 60]
 
 
-def test_the_dashboard_shows_lending_paused_and_the_latest_lends_and_take_backs(settings, stack):
-    """On-call sees on the dashboard what `liverl capacity status` says: who paused
-    lending and why, and the replicas lent and taken back lately."""
+def test_the_dashboard_shows_lending_and_pauses_it_through_the_controller(settings, dev_keys, stack):
+    """On-call sees on the dashboard what `liverl capacity status` says (who paused lending
+    and why, the replicas lent and taken back lately) and can pause it from there: the
+    controller's door writes the same pause, audited, for the operator's key."""
     controller = settings.url(settings.ports.controller)
     kept = events_file(settings).read_text() if events_file(settings).exists() else None
     take_back = CapacityEvent(action="take_back", replica="replica-1", policy_version="v3", load=2.0,
                               why="load 2.00 per production replica, above take_back_above 1.0", seconds=0.4)
+
+    def lending() -> dict:
+        return httpx.get(controller + "/dashboard/state", headers=admin_headers(settings), timeout=30).json()["lending"]
+
     try:
         record_event(settings, take_back)
-        set_pause(settings, LendingPause(actor="cli:oncall", reason="incident 7: hold rollouts",
-                                         at=datetime.now(timezone.utc)))
-        lending = httpx.get(controller + "/dashboard/state", headers=admin_headers(settings), timeout=30).json()["lending"]
-        assert lending["paused"]["reason"] == "incident 7: hold rollouts" and lending["paused"]["actor"] == "cli:oncall"
-        assert lending["events"][-1]["why"] == take_back.why and lending["events"][-1]["seconds"] == 0.4
-        assert lending["lent"] == [] and not lending["enabled"]
-        set_pause(settings, None)
-        lending = httpx.get(controller + "/dashboard/state", headers=admin_headers(settings), timeout=30).json()["lending"]
-        assert lending["paused"] is None
+        assert lending()["events"][-1]["why"] == take_back.why and lending()["events"][-1]["seconds"] == 0.4
+        tenant = {"Authorization": f"Bearer {dev_keys['tenant_key']}"}
+        assert httpx.post(controller + "/admin/capacity/pause", headers=tenant, json={"reason": "x"},
+                          timeout=30).status_code == 403
+        assert httpx.post(controller + "/admin/capacity/pause", headers=admin_headers(settings), json={"reason": ""},
+                          timeout=30).status_code == 422
+        paused = httpx.post(controller + "/admin/capacity/pause", headers=admin_headers(settings),
+                            json={"reason": "incident 7: hold rollouts"}, timeout=60)
+        assert paused.status_code == 200 and paused.json() == {"paused": True, "lent": []}, paused.text
+        shown = lending()
+        assert shown["paused"]["reason"] == "incident 7: hold rollouts" and not shown["enabled"]
+        assert shown["paused"]["actor"] == KeyStore(settings.keys_file).authenticate(admin_key(settings)).key_id
+        entry = AuditLog(settings.audit_file).entries(1, "capacity.pause")[0]
+        assert entry.actor == shown["paused"]["actor"] and entry.reason == "incident 7: hold rollouts"
+        resumed = httpx.post(controller + "/admin/capacity/resume", headers=admin_headers(settings),
+                             json={"reason": "incident 7 over"}, timeout=30)
+        assert resumed.json() == {"paused": False, "lent": []} and lending()["paused"] is None
     finally:
         set_pause(settings, None)
         if kept is None:
@@ -117,12 +130,20 @@ def test_on_call_logs_in_reads_live_plots_and_rolls_back_from_the_page(
     browser.find_element(By.ID, "key").send_keys(admin_key(settings))
     browser.find_element(By.ID, "login").click()
     wait.until(seen.presence_of_element_located((By.ID, "versions")))  # the dashboard, not the login page
-    set_pause(settings, LendingPause(actor="cli:oncall", reason="a launch at noon", at=datetime.now(timezone.utc)))
-    try:  # the page draws lending's state as it changes
-        wait.until(seen.text_to_be_present_in_element((By.ID, "lending"), "paused by cli:oncall"))
+    wait.until(seen.text_to_be_present_in_element((By.ID, "lending"), "off (capacity.enabled is false)"))
+    try:  # lending paused and resumed from the page, and drawn as it changes
+        browser.find_element(By.ID, "reason").send_keys("a launch at noon")
+        browser.find_element(By.ID, "pause-lending").click()
+        wait.until(seen.text_to_be_present_in_element((By.ID, "message"), "lending paused, lent: none"))
+        wait.until(seen.text_to_be_present_in_element((By.ID, "lending"), "a launch at noon"))
+        assert read_pause(settings).reason == "a launch at noon"
+        assert not browser.find_element(By.ID, "pause-lending").is_displayed()
+        browser.find_element(By.ID, "reason").send_keys("the launch went well")
+        browser.find_element(By.ID, "resume-lending").click()
+        wait.until(seen.text_to_be_present_in_element((By.ID, "lending"), "off (capacity.enabled is false)"))
+        assert read_pause(settings) is None
     finally:
         set_pause(settings, None)
-    wait.until(seen.text_to_be_present_in_element((By.ID, "lending"), "off (capacity.enabled is false)"))
     # Both versions' curves, drawn from their judged completions once the reward window closes.
     for version in (before, candidate.version):
         WebDriverWait(browser, 90, poll_frequency=2).until(

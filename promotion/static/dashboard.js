@@ -61,6 +61,8 @@ function render(state) {
     + ` · lent: ${lending.lent.join(", ") || "none"}`;
   $("#lending").className = pause ? "error" : "";
   $("#lending-events").hidden = !lending.events.length;
+  $("#pause-lending").hidden = Boolean(pause);
+  $("#resume-lending").hidden = !pause;
   fill("#lending-events", lending.events.slice().reverse().map((e) =>
     row([new Date(e.timestamp).toLocaleString(), e.action === "lend" ? "lent" : "taken back", e.replica,
          e.policy_version, e.load.toFixed(2), e.seconds.toFixed(2) + (e.error ? ` (failed: ${e.error})` : ""), e.why],
@@ -113,6 +115,8 @@ const routes = {
   pin: () => ["/admin/pin", {}],
   unpin: () => ["/admin/unpin", {}],
   rollback: () => ["/admin/rollback", { to: $("#rollback-to").value || null }],
+  pauseLending: () => ["/admin/capacity/pause", {}],
+  resumeLending: () => ["/admin/capacity/resume", {}],
 };
 
 async function act(action, version) {
@@ -134,7 +138,9 @@ async function act(action, version) {
   const answer = await response.json().catch(() => ({}));
   if (response.ok) {
     message.className = "ok";
-    message.textContent = `${action} done: ${answer.version ?? ""} ${answer.state ?? (answer.pinned ? "pinned" : "")}`;
+    message.textContent = `${action} done: ` + ("paused" in answer
+      ? `lending ${answer.paused ? "paused" : "resumed"}, lent: ${answer.lent.join(", ") || "none"}`
+      : `${answer.version ?? ""} ${answer.state ?? (answer.pinned ? "pinned" : "")}`);
     $("#reason").value = "";
   } else {
     message.className = "error";
