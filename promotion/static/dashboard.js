@@ -63,10 +63,12 @@ function render(state) {
   $("#lending-events").hidden = !lending.events.length;
   $("#pause-lending").hidden = Boolean(pause);
   $("#resume-lending").hidden = !pause;
-  fill("#lending-events", lending.events.slice().reverse().map((e) =>
-    row([new Date(e.timestamp).toLocaleString(), e.action === "lend" ? "lent" : "taken back", e.replica,
-         e.policy_version, e.load.toFixed(2), e.seconds.toFixed(2) + (e.error ? ` (failed: ${e.error})` : ""), e.why],
-        { 6: "reason" })));
+  $("#lending-events").replaceChildren(...lending.events.slice().reverse().map((e) => {
+    const li = document.createElement("li");
+    li.textContent = `${new Date(e.timestamp).toLocaleTimeString()} ${e.replica} ${e.action === "lend" ? "lent" : "taken back"}`
+      + ` (serving ${e.policy_version}) in ${e.seconds.toFixed(2)} s` + (e.error ? `, failed: ${e.error}` : "") + ` · ${e.why}`;
+    return li;
+  }));
   const learner = state.learner;
   const learnerRows = learner.error ? [["status", learner.error]] : [
     ["version", learner.version], ["versions ahead of stable", learner.versions_ahead_of_stable],
