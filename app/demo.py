@@ -386,25 +386,39 @@ def capacity_summary(pop: Population, events: list[CapacityEvent], rollouts: dic
 
 def heldout_by_version(settings: Settings, started: float, tasks: int, most: int = 6,
                        until_s: float | None = None) -> list[dict]:
-    """The coding environment's held-out pass rate (greedy, `tasks` tasks) of the starter and
-    of up to `most` later versions whose weights retention kept (written within `until_s`
-    seconds of `started`, if given), evenly spread."""
+    """The coding environment's held-out pass rate (greedy, `tasks` tasks) per version, from
+    the start (`at_s`: when each was written): the starter, every version the held-out
+    evaluator scored on these same tasks while the stack ran (its figures as recorded, also
+    where retention has since removed the weights), and up to `most` more whose weights
+    retention kept (written within `until_s` seconds of `started`, if given), evenly
+    spread, scored now."""
     from policies.starter import build_starter_policy
     from rollouts.coding import CodingEnvironment
-    from rollouts.evaluate import greedy_pass_rate
+    from rollouts.evaluate import greedy_pass_rate, task_set
 
     environment = CodingEnvironment(levels=settings.rollouts.levels)
     held = environment.heldout(tasks)
-    versions = [v for v in Registry(settings.policies_dir).versions()[1:] if Path(v.model_dir).is_dir()
-                and (until_s is None or v.created_at - started <= until_s)]
-    if len(versions) > most:  # evenly spread, the newest included
-        versions = [versions[round(i * (len(versions) - 1) / (most - 1))] for i in range(most)]
-    starter = settings.starter.model_dir or build_starter_policy(settings.starter.cache_dir, seed=settings.starter.seed,
-                                                                 progress=False)
-    points = [("v0", 0.0, Path(starter))] + [(v.version, max(0.0, v.created_at - started), Path(v.model_dir))
-                                              for v in versions]
-    return [{"version": version, "at_s": at, "pass_rate": greedy_pass_rate(model_dir, environment, held)}
-            for version, at, model_dir in points]
+    versions = Registry(settings.policies_dir).versions()
+    recorded = {v.version: v.metrics["heldout"]["pass_rate"] for v in versions
+                if (v.metrics.get("heldout") or {}).get("task_set") == task_set(held)}
+    later = [v for v in versions[1:] if until_s is None or v.created_at - started <= until_s]
+    kept = [v for v in later if v.version not in recorded and Path(v.model_dir).is_dir()]
+    if len(kept) > most:  # evenly spread, the newest included
+        kept = [kept[round(i * (len(kept) - 1) / (most - 1))] for i in range(most)]
+    chosen = recorded.keys() | {v.version for v in kept}
+
+    def scored(version: str, model_dir: Callable[[], Path]) -> dict:
+        if version in recorded:
+            return {"pass_rate": recorded[version], "measured": "live"}
+        return {"pass_rate": greedy_pass_rate(model_dir(), environment, held), "measured": "after"}
+
+    def starter() -> Path:
+        return Path(settings.starter.model_dir or build_starter_policy(
+            settings.starter.cache_dir, seed=settings.starter.seed, progress=False))
+
+    return [{"version": "v0", "at_s": 0.0, **scored("v0", starter)}] + [
+        {"version": v.version, "at_s": max(0.0, v.created_at - started), **scored(v.version, lambda v=v: Path(v.model_dir))}
+        for v in later if v.version in chosen]
 
 
 def feedback_to_serving(settings: Settings) -> dict:

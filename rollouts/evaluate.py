@@ -3,6 +3,7 @@ needed): what the demo plots per version and `benchmarks/bench_coding_env.py` re
 
 from __future__ import annotations
 
+import hashlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -10,6 +11,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rollouts.environment import Environment, Task
+
+
+def task_set(tasks: list[Task]) -> str:
+    """Names a set of tasks: only figures on the same set compare (task by task, or as one curve)."""
+    return hashlib.sha256("\n".join(t.task_id for t in tasks).encode()).hexdigest()[:16]
 
 
 def first_lines(model, tokenizer, task: Task, samples: int, greedy: bool, max_tokens: int) -> list[str]:

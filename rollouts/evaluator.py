@@ -13,7 +13,6 @@ for. The starter is evaluated first: the baseline.
 
 from __future__ import annotations
 
-import hashlib
 import threading
 import time
 from pathlib import Path
@@ -26,7 +25,7 @@ from liverl.process import serve_beside
 from liverl.settings import Settings, get_settings
 from policies.registry import Registry
 from rollouts.environment import configured_environment
-from rollouts.evaluate import greedy_solved
+from rollouts.evaluate import greedy_solved, task_set
 
 logger = setup_logging("evaluator")
 
@@ -37,8 +36,7 @@ class Evaluator:
         self.registry = Registry(settings.policies_dir)
         self.environment = configured_environment(self.config)
         self.tasks = self.environment.heldout(self.config.heldout_tasks)
-        # Names these tasks, so only figures on the same ones are compared task by task.
-        self.task_set = hashlib.sha256("\n".join(t.task_id for t in self.tasks).encode()).hexdigest()[:16]
+        self.task_set = task_set(self.tasks)
         self.results: dict[str, float] = {}  # version -> held-out pass rate, in the order measured
 
     def step(self) -> dict | None:

@@ -154,3 +154,42 @@ def test_capacity_summary_counts_production_answered_by_a_lent_replica_and_retri
     result = capacity_summary(pop, [event("lend", 2.0), event("take_back", 20.0)], {})
     assert result["production_on_lent_replica"] == 1
     assert result["production_retried"] == 1 and result["production_failed"] == 0
+
+
+def test_the_held_out_curve_keeps_what_the_evaluator_recorded_and_scores_the_rest(tmp_path, starter_dir):
+    """The day's held-out curve spans the whole day: figures the held-out evaluator recorded
+    while the stack ran are kept as recorded (also for a version whose weights retention has
+    removed since, which could not be scored afterwards), versions nobody scored on these
+    tasks are scored afterwards, and figures on other tasks are not mixed in."""
+    import shutil
+
+    from app.demo import heldout_by_version
+    from liverl.settings import RolloutsConfig, Settings, StarterPolicyConfig
+    from policies.registry import Registry
+    from rollouts.coding import CodingEnvironment
+    from rollouts.evaluate import greedy_pass_rate, task_set
+
+    settings = Settings(data_dir=tmp_path, starter=StarterPolicyConfig(model_dir=starter_dir),
+                        rollouts=RolloutsConfig(levels=[1]))
+    registry = Registry(settings.policies_dir)
+    environment = CodingEnvironment(levels=[1])
+    held = environment.heldout(4)
+
+    def publish(pass_rate: float | None = None, tasks: str = task_set(held)) -> str:
+        staged = tmp_path / f"staged-{len(registry.versions())}"
+        shutil.copytree(starter_dir, staged)
+        version = registry.publish(staged, parent=None, window=None, metrics={}, sample_ids=[], actor="test",
+                                   state="candidate").version
+        if pass_rate is not None:  # as the evaluator records it
+            registry.update_metrics(version, heldout={"pass_rate": pass_rate, "tasks": 4, "task_set": tasks})
+        return version
+
+    starter, scored_live, removed, other_tasks, unscored = (
+        publish(0.25), publish(0.5), publish(0.75), publish(1.0, tasks="other"), publish())
+    shutil.rmtree(registry.get(removed).model_dir)  # retention, after the evaluator scored it
+    points = heldout_by_version(settings, registry.get(starter).created_at, 4)
+    assert [(p["version"], p["pass_rate"], p["measured"]) for p in points[:3]] == [
+        ("v0", 0.25, "live"), (scored_live, 0.5, "live"), (removed, 0.75, "live")]
+    afterwards = greedy_pass_rate(starter_dir, environment, held)  # the same weights as the starter's
+    assert [(p["version"], p["pass_rate"], p["measured"]) for p in points[3:]] == [
+        (other_tasks, afterwards, "after"), (unscored, afterwards, "after")]
