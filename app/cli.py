@@ -680,15 +680,17 @@ def capacity_resume(reason: str = Reason, data_dir: Optional[Path] = DataDir) ->
 def capacity_status(data_dir: Optional[Path] = DataDir, as_json: bool = Json) -> None:
     """Whether lending is paused (who, why), the replicas lent and in production, and the
     latest lends and take-backs."""
-    from liverl.lending import lending_state
+    from liverl.lending import lending_state, scheduler_answers
 
-    report = lending_state(settings_from(data_dir))
+    settings = settings_from(data_dir)
+    report = lending_state(settings) | {"scheduler": scheduler_answers(settings)}
     if as_json:
         console.print_json(json.dumps(report))
         return
     pause = report["paused"]
     console.print(f"lending paused by {pause['actor']} at {pause['at']}: {pause['reason']}" if pause
-                  else "lending on (when the load allows)" if report["enabled"] else "lending off (capacity.enabled)")
+                  else "lending on (when the load allows)" if report["scheduler"]
+                  else "lending off: the capacity scheduler is not running")
     console.print(f"lent: {', '.join(report['lent']) or 'none'}; production: {', '.join(report['production'])}")
     if report["events"]:
         print_rows([{k: e[k] for k in ("timestamp", "action", "replica", "policy_version", "load", "seconds", "why")}

@@ -102,7 +102,9 @@ def plot(points: list[dict], train_reward: list[dict], path: Path, minutes: floa
 
 def main(minutes: float = typer.Option(10.0, help="How long rollouts run."),
          heldout: int = typer.Option(200, help="Held-out tasks per evaluated version (greedy)."),
-         versions: int = typer.Option(6, help="Versions evaluated besides the starter, evenly spread, the newest included."),
+         versions: int = typer.Option(6, help="Versions evaluated afterwards besides the starter, evenly "
+                                      "spread, the newest included (versions the held-out evaluator scored on the "
+                                      "same tasks join with its figures)."),
          out: Path = typer.Option(Path("bench-rollouts/run"), help="Where the result and the plot go."),
          set_: list[str] = typer.Option([], "--set", help="VAR=VALUE settings for the run.")) -> None:
     os.environ.update(ROLLOUTS_ONLY)

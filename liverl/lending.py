@@ -4,11 +4,15 @@ status`, `liverl capacity status`, the dashboard): every lend and take-back
 
 from __future__ import annotations
 
+import os
+import tempfile
+from collections import deque
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field
+import httpx
+from pydantic import BaseModel, Field, ValidationError
 
 from liverl.audit import AuditLog
 from liverl.contracts import CapacityEvent
@@ -26,9 +30,21 @@ def record_event(settings: Settings, event: CapacityEvent) -> None:
         out.write(event.model_dump_json() + "\n")
 
 
-def read_events(settings: Settings) -> list[CapacityEvent]:
-    path = events_file(settings)
-    return [CapacityEvent.model_validate_json(line) for line in path.read_text().splitlines()] if path.exists() else []
+def read_events(settings: Settings, latest: int | None = None) -> list[CapacityEvent]:
+    """The lends and take-backs, oldest first (the `latest` only, if given). A line that is
+    not a whole event (the scheduler killed mid-write) is skipped: on-call's views keep working."""
+    try:
+        with open(events_file(settings)) as lines:
+            tail = deque(lines, maxlen=latest)
+    except FileNotFoundError:
+        return []
+    events = []
+    for line in tail:
+        try:
+            events.append(CapacityEvent.model_validate_json(line))
+        except ValidationError:
+            continue
+    return events
 
 
 class LendingPause(BaseModel):
@@ -45,8 +61,10 @@ def pause_file(settings: Settings) -> Path:
 
 
 def read_pause(settings: Settings) -> LendingPause | None:
-    path = pause_file(settings)
-    return LendingPause.model_validate_json(path.read_text()) if path.exists() else None
+    try:
+        return LendingPause.model_validate_json(pause_file(settings).read_text())
+    except FileNotFoundError:  # not paused, or resumed just now
+        return None
 
 
 def set_pause(settings: Settings, pause: LendingPause | None) -> None:
@@ -56,9 +74,11 @@ def set_pause(settings: Settings, pause: LendingPause | None) -> None:
         path.unlink(missing_ok=True)
         return
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(pause.model_dump_json())
-    tmp.replace(path)  # atomic: the scheduler never reads half a file
+    # A file of its own for each writer (the controller's door and the scheduler's may write
+    # at once), renamed over the pause: atomic, so the scheduler never reads half a file.
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", delete=False) as tmp:
+        tmp.write(pause.model_dump_json())
+    os.replace(tmp.name, path)
 
 
 def hold_lending(settings: Settings, audit: AuditLog, actor: str, verb: Literal["pause", "resume"], reason: str,
@@ -75,9 +95,18 @@ def hold_lending(settings: Settings, audit: AuditLog, actor: str, verb: Literal[
 
 
 def lending_state(settings: Settings, latest: int = 5) -> dict:
-    """What on-call asks of lending, as JSON: on at all, paused (who, when, why), the
-    replicas lent and in production, and the `latest` lends and take-backs."""
+    """What on-call asks of lending, as JSON: paused (who, when, why), the replicas lent and
+    in production, and the `latest` lends and take-backs."""
     pool, pause = read_pool(settings), read_pause(settings)
-    return {"enabled": settings.capacity.enabled, "paused": pause and pause.model_dump(mode="json"),
+    return {"paused": pause and pause.model_dump(mode="json"),
             "lent": [r.name for r in pool.lent], "production": [r.name for r in pool.general if r.enabled],
-            "events": [e.model_dump(mode="json") for e in read_events(settings)[-latest:]]}
+            "events": [e.model_dump(mode="json") for e in read_events(settings, latest)]}
+
+
+def scheduler_answers(settings: Settings) -> bool:
+    """Whether the capacity scheduler runs (and so lends when the load allows): what it
+    does, not what the reader's own settings say."""
+    try:
+        return httpx.get(settings.url(settings.ports.capacity) + "/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False

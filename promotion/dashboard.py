@@ -4,8 +4,8 @@ One page: versions and their states, what serves where (aliases, the canary's tr
 share, each replica), lending to rollouts (paused or not, the latest lends and
 take-backs), reward and accept rate per version over time with intervals
 (SVG drawn here from ClickHouse's figures), the learner's progress, sync, and the audit
-history; promote, abort, pin and rollback buttons call the same admin API, with the
-same checks, and each asks for a reason. It refreshes itself.
+history; promote, abort, pin, rollback and pause/resume lending buttons call the same
+admin API, with the same checks, and each asks for a reason. It refreshes itself.
 
 Login is the admin key, once: it becomes a signed session cookie (HttpOnly, SameSite
 Strict) that names the key, so revoking the key ends every session made with it. A
@@ -32,7 +32,7 @@ from itsdangerous import BadSignature, URLSafeTimedSerializer
 
 from liverl.audit import AuditLog
 from liverl.keys import KeyRecord, KeyStore, require_admin, require_key
-from liverl.lending import lending_state
+from liverl.lending import lending_state, scheduler_answers
 from liverl.pool import read_pool
 from liverl.settings import Settings
 from promotion.sequential import wilson
@@ -155,6 +155,10 @@ def dashboard_router(controller: Controller, audit: AuditLog) -> APIRouter:
             learner = {"error": f"learner not answering: {type(error).__name__}"}
         if stable and "version" in learner and (seq := registry.seq_of(learner["version"])) is not None:
             learner["versions_ahead_of_stable"] = seq - stable.seq
+        try:
+            lending = lending_state(settings) | {"scheduler": scheduler_answers(settings)}
+        except (OSError, ValueError) as error:  # the rest of the page is still on-call's
+            lending = {"error": f"lending's records unreadable: {error!r}"}
         return {
             "controller": {"state": controller.state, "last_error": controller.last_error,
                            "pinned": pin.model_dump(mode="json") if pin else None},
@@ -165,7 +169,7 @@ def dashboard_router(controller: Controller, audit: AuditLog) -> APIRouter:
                         "replicas": [{"name": r.name, "version": r.policy_version, "enabled": r.enabled,
                                       "alias": r.alias, "in_sync": r.policy_version in pool.aliases.values()}
                                      for r in pool.replicas]},
-            "lending": lending_state(settings),
+            "lending": lending,
             "learner": learner,
             "history": registry.history()[-30:][::-1],
             "audit": [e.model_dump(mode="json") for e in reversed(audit.entries(limit=30))],

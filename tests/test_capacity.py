@@ -244,8 +244,8 @@ def test_on_call_pauses_lending_through_the_api_and_a_restart_keeps_it(settings,
             # A restarted scheduler is paused too (with no wait for quiet, unpaused it would lend at once).
             eager = configured.model_copy(update={"capacity": fast.model_copy(update={"lend_after_s": 0.0})})
             assert Scheduler(eager).step() is None
-            assert [e.reason for e in AuditLog(settings.audit_file).entries(action="capacity.pause")] == [
-                "a launch at noon"]
+            assert [e.reason for e in AuditLog(settings.audit_file).entries(1, action="capacity.pause")] == [
+                "a launch at noon"]  # audited: the newest pause in the shared stack's log
             assert api.post("/admin/resume", json={"reason": "launched"}, headers=admin).json() == {"paused": False, "lent": []}
             wait_for(lambda: read_pool(settings).lent, timeout=60)
             # Back as the other tests expect the pool: nothing lent, lending on.
@@ -598,3 +598,30 @@ def test_the_demo_day_lends_only_with_no_production_and_the_first_request_takes_
     assert rules.decide(70.1, load(), pool(), False).action == "lend"
     back = rules.decide(70.2, load({"r1": 1}), pool(lent=1), False)  # the morning's first user
     assert back.action == "take_back" and back.replica == "r0"
+
+
+def test_two_doors_pausing_at_once_both_succeed(tmp_path):
+    """The dashboard (through the controller) and the CLI (through the scheduler) may
+    write the pause at the same moment: neither fails, and one whole pause is kept."""
+    from datetime import datetime, timezone
+
+    from liverl.lending import LendingPause
+
+    settings = Settings(data_dir=tmp_path)
+    settings.run_dir.mkdir(parents=True)
+    failed: list[Exception] = []
+
+    def pause(actor: str) -> None:
+        for _ in range(300):
+            try:
+                set_pause(settings, LendingPause(actor=actor, reason="an incident", at=datetime.now(timezone.utc)))
+            except Exception as error:  # noqa: BLE001 - any failure is the finding
+                failed.append(error)
+
+    doors = [threading.Thread(target=pause, args=(actor,)) for actor in ("dashboard", "cli")]
+    for door in doors:
+        door.start()
+    for door in doors:
+        door.join()
+    assert not failed, failed[:3]
+    assert read_pause(settings).actor in ("dashboard", "cli")

@@ -54,12 +54,13 @@ function render(state) {
          r.alias === "rollout" ? (r.enabled ? "lent to rollouts" : "lent; being taken back")
            : !r.enabled ? "no (swapping)" : r.alias ? `only alias ${r.alias}` : "yes",
          r.in_sync ? "yes" : "no"])));
-  const lending = state.lending;
+  const lending = state.lending.error ? { paused: null, lent: [], events: [] } : state.lending;
   const pause = lending.paused;
-  $("#lending").textContent = (pause ? `paused by ${pause.actor} at ${new Date(pause.at).toLocaleString()}: ${pause.reason}`
-    : lending.enabled ? "on (when production's load allows)" : "off (capacity.enabled is false)")
-    + ` · lent: ${lending.lent.join(", ") || "none"}`;
-  $("#lending").className = pause ? "error" : "";
+  $("#lending").textContent = state.lending.error ?? ((pause
+    ? `paused by ${pause.actor} at ${new Date(pause.at).toLocaleString()}: ${pause.reason}`
+    : lending.scheduler ? "on (when production's load allows)" : "off: the capacity scheduler is not running")
+    + ` · lent: ${lending.lent.join(", ") || "none"}`);
+  $("#lending").className = pause || state.lending.error ? "error" : "";
   $("#lending-events").hidden = !lending.events.length;
   $("#pause-lending").hidden = Boolean(pause);
   $("#resume-lending").hidden = !pause;
