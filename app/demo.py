@@ -398,9 +398,9 @@ def heldout_by_version(settings: Settings, started: float, tasks: int, most: int
 
     environment = CodingEnvironment(levels=settings.rollouts.levels)
     held = environment.heldout(tasks)
-    versions = Registry(settings.policies_dir).versions()
+    versions, these_tasks = Registry(settings.policies_dir).versions(), task_set(held)
     recorded = {v.version: v.metrics["heldout"]["pass_rate"] for v in versions
-                if (v.metrics.get("heldout") or {}).get("task_set") == task_set(held)}
+                if (v.metrics.get("heldout") or {}).get("task_set") == these_tasks}
     later = [v for v in versions[1:] if until_s is None or v.created_at - started <= until_s]
     kept = [v for v in later if v.version not in recorded and Path(v.model_dir).is_dir()]
     if len(kept) > most:  # evenly spread, the newest included
