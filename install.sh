@@ -29,6 +29,7 @@ if [ ! -f .venv/.installed ] || [ "$(cat .venv/.installed)" != "$(core_stamp)" ]
   echo "installing the core environment (.venv)"
   [ -x .venv/bin/python ] || "$PY" -m venv .venv
   .venv/bin/pip install -q --disable-pip-version-check -e '.[test,bench]' 2> >(grep -v "^WARNING: Location" >&2)
+  .venv/bin/pip install -q --disable-pip-version-check -e ./sdk 2> >(grep -v "^WARNING: Location" >&2)  # the SDK (liverl_client)
   core_stamp > .venv/.installed
 fi
 

@@ -29,13 +29,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
+from liverl_client import FeedbackClient
 from openai import OpenAI
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
 from app.tables import print_rows
-from liverl.client import FeedbackClient
 from liverl.contracts import CapacityEvent
 from liverl.keys import admin_headers
 from liverl.settings import Settings, settings_with_defaults

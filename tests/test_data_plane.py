@@ -12,9 +12,9 @@ import uuid
 import httpx
 import pytest
 from helpers import item, sql, wait_for
+from liverl_client import FeedbackClient
 from openai import OpenAI
 
-from liverl.client import FeedbackClient
 from liverl.contracts import Topics
 from liverl.kafka import read_topic
 from liverl.pool import read_pool

@@ -1,5 +1,7 @@
 """The product teams' SDK: send feedback from a hot path without waiting on the network.
 
+    from liverl_client import FeedbackClient
+
     client = FeedbackClient("http://liverl:18080", api_key)
     client.accept(completion_id)
     client.score(completion_id, 0.7)
@@ -8,6 +10,9 @@
 Events are batched in the background and retried with exponential backoff; each event
 carries an id made once, so a retry can never count twice. Items the API refuses for
 good (4xx) are kept in `client.rejected` with the API's reason.
+
+Its own distribution (`liverl-client`, this folder): it needs only httpx, so a product
+installs it without the service (torch, faust, vLLM...). Python 3.9 or newer.
 """
 
 from __future__ import annotations
