@@ -16,10 +16,12 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
+from policies.families import is_router
+
 
 def moe_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The top-k routers, one per MoE layer, in layer order."""
-    return [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+    return [m for m in model.modules() if is_router(m)]
 
 
 def _routed_forward(router: torch.nn.Module, hidden_states: torch.Tensor):
@@ -35,7 +37,8 @@ def _routed_forward(router: torch.nn.Module, hidden_states: torch.Tensor):
         indices = torch.where(known, router.replay, recomputed)
     router.used = indices
     weights = probs.gather(-1, indices)
-    if router.norm_topk_prob:
+    # Mixtral's router has no such flag: it always renormalises its top-k.
+    if getattr(router, "norm_topk_prob", True):
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return logits, weights.to(logits.dtype), indices
 

@@ -149,7 +149,8 @@ class Trajectory(Strict):
 
 
 class Architecture(BaseModel):
-    """What a trajectory's ids must fit: the serving policy's vocabulary and experts."""
+    """What a trajectory's ids must fit: the serving policy's vocabulary and experts.
+    `layers` counts the MoE layers only (the ones with a router); a dense model has none."""
 
     vocab_size: int
     layers: int
@@ -158,12 +159,16 @@ class Architecture(BaseModel):
 
     @classmethod
     def of(cls, config) -> Architecture:
-        """From an HF config (object or config.json dict) of an MoE causal LM."""
+        """From an HF config (object or config.json dict) of a causal LM, MoE or dense."""
         get = config.get if isinstance(config, dict) else lambda name: getattr(config, name, None)
         # config.json spells the expert count as Mixtral does, the loaded config as Qwen3-MoE.
-        experts = get("num_experts") or get("num_local_experts")
-        return cls(vocab_size=get("vocab_size"), layers=get("num_hidden_layers"),
-                   experts=experts, top_k=get("num_experts_per_tok"))
+        experts = get("num_experts") or get("num_local_experts") or 0
+        # Qwen2/3-MoE may keep some layers dense: every decoder_sparse_step-th layer not
+        # listed in mlp_only_layers has experts (as transformers builds them).
+        step, dense = get("decoder_sparse_step") or 1, set(get("mlp_only_layers") or [])
+        layers = sum(1 for i in range(get("num_hidden_layers")) if i not in dense and (i + 1) % step == 0)
+        return cls(vocab_size=get("vocab_size"), layers=layers if experts else 0,
+                   experts=experts, top_k=(get("num_experts_per_tok") or 0) if experts else 0)
 
 
 def misfit(t: Trajectory, arch: Architecture) -> tuple[str, str] | None:

@@ -1,6 +1,7 @@
 """A model directory from outside (a base model, the starter) in as a policy version.
 
-The registry takes only complete, servable versions: this copies the directory, writes
+The registry takes only complete, servable versions: this checks the directory is of a
+family every station supports (`policies/families.py`), copies it, writes
 the probe a swap verifies replicas by (when the directory has none), and publishes it.
 `liverl up` imports the starter this way; on-call imports a base model with `liverl
 policy import` or the controller's `POST /admin/policies/import`.
@@ -14,6 +15,7 @@ import uuid
 from pathlib import Path
 
 from liverl.settings import Settings
+from policies.families import unsupported
 from policies.registry import PolicyVersion, Registry, State
 
 
@@ -23,8 +25,8 @@ def import_version(settings: Settings, source: Path, actor: str) -> PolicyVersio
     stable (what replicas start from); later ones are candidates, to promote by hand."""
     from liverl.probe import PROBE_FILE, probe_logprobs  # torch: only when importing
 
-    if not (source / "config.json").is_file():
-        raise ValueError(f"{source} is not a Hugging Face model directory (no config.json)")
+    if why := unsupported(source):
+        raise ValueError(why)
     registry = Registry(settings.policies_dir)
     staged = settings.policies_dir / f"staging-import-{uuid.uuid4().hex[:8]}"
     shutil.copytree(source, staged)
