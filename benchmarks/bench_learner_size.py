@@ -31,11 +31,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from learner import router_replay  # noqa: E402
 from learner.logprobs import chunked_token_logprobs  # noqa: E402
-from learner.modes import adapted_weights, apply_mode, footprint, lora_trainable, subset_trainable  # noqa: E402
+from learner.modes import adapted_weights, footprint, lora_params, with_adapters  # noqa: E402
 from learner.rl import policy_gradient_loss  # noqa: E402
 from policies.real_shape import parameter_count, random_model, real_shape_config  # noqa: E402
 
 GIB = 1024**3
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+SUBSET = ["self_attn.", "mlp.gate."]  # the named subset trained in full: attention and routers
 
 
 def sync(device: str) -> None:
@@ -65,9 +67,11 @@ def measure(layers: int, experts: int, mode: str, args) -> dict:
     row = {"layers": layers, "experts": experts, "params": total, "mode": mode, "device": args.device}
     with torch.device("meta"):
         shell = __import__("transformers").AutoModelForCausalLM.from_config(config)
-    trainable = {"full": total, "subset": subset_trainable(shell, ["self_attn.", "mlp.gate."]),
-                 "lora": lora_trainable(shell, args.lora_rank)}[mode]
-    need = footprint(total, trainable, mode).total
+    trainable = {"full": total,
+                 "subset": sum(w.numel() for n, w in shell.named_parameters() if any(p in n for p in SUBSET)),
+                 "lora": lora_params(shell, args.lora_rank, ATTENTION)}[mode]
+    # The LoRA base stays bf16 here (its published rounding); full and subset keep fp32 masters.
+    need = footprint(total, trainable, weight_bytes=2 if mode == "lora" else 4).total
     row.update(trainable=trainable, estimated_gib=round(need / GIB, 2))
     if need > args.memory_gib * GIB:
         row["skipped"] = f"needs about {need / GIB:.1f} GiB before activations, {args.memory_gib} GiB available"
@@ -78,7 +82,11 @@ def measure(layers: int, experts: int, mode: str, args) -> dict:
     started = time.perf_counter()
     model = random_model(config, seed=0, dtype=torch.bfloat16 if mode == "lora" else torch.float32,
                          device=args.device)
-    model = apply_mode(model, mode, lora_rank=args.lora_rank, lora_alpha=2 * args.lora_rank)
+    if mode == "lora":
+        model = with_adapters(model, args.lora_rank, 2 * args.lora_rank, ATTENTION)
+    else:
+        for name, weight in model.named_parameters():
+            weight.requires_grad_(mode == "full" or any(p in name for p in SUBSET))
     router_replay.install(model)
     row["build_s"] = round(time.perf_counter() - started, 2)
     params = [p for p in model.parameters() if p.requires_grad]

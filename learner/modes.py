@@ -1,92 +1,131 @@
-"""What the learner trains of a policy, and whether that fits in memory.
+"""What the learner trains of a policy, what it publishes, and whether that fits in memory.
 
-- full: every weight, fp32 master weights and Adam state for all of them.
-- subset: only weights whose names contain one of `trainable` (attention and routers by
-  default); the rest stay frozen.
-- lora: low-rank adapters through peft on the frozen base, which stays in bf16 (its
-  published rounding): attention projections as modules, routers as parameters
-  (`target_parameters`; in transformers 5 routers and experts are raw parameters).
+- full weights (fp32 master weights and Adam state), less any `learner.frozen_parameters`:
+  a named subset (attention and routers, say) is trained in full this way;
+- LoRA (`learner.lora`): low-rank adapters through peft on the frozen base, attention
+  projections as modules and routers as parameters (`target_parameters`: transformers 5
+  keeps routers and experts as raw parameters). A version publishes the base with the
+  adapters merged, so a replica serves and swaps it as any other version.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
-Mode = Literal["full", "subset", "lora"]
+from learner.logprobs import causal_lm
 
-ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
-ROUTERS = ["mlp.gate.weight"]
-SUBSET = ["self_attn.", "mlp.gate."]
-
-
-@dataclass(frozen=True)
-class Footprint:
-    """Bytes a mode holds between steps, before activations."""
-
-    weights: int
-    trainable: int
-    optimizer: int
-
-    @property
-    def total(self) -> int:
-        return self.weights + self.trainable + self.optimizer
+ROUTER_WEIGHT = "mlp.gate.weight"
+GIB = 1024**3
 
 
-def footprint(total_params: int, trainable_params: int, mode: Mode) -> Footprint:
-    """fp32 master weights (full, subset) or a bf16 base (lora); a gradient and Adam's two
-    moments (fp32) per trained value."""
-    weights = total_params * (2 if mode == "lora" else 4)
-    extra = trainable_params * 4 if mode == "lora" else 0  # the adapters' own fp32 weights
-    return Footprint(weights=weights + extra, trainable=trainable_params * 4, optimizer=trainable_params * 8)
+def with_adapters(model: torch.nn.Module, rank: int, alpha: int, targets: list[str],
+                  router: bool = True) -> torch.nn.Module:
+    """`model` wrapped by peft with adapters of rank `rank` on `targets` (and its routers)."""
+    from peft import LoraConfig, get_peft_model
+
+    routers = [ROUTER_WEIGHT] if router and any(n.endswith(ROUTER_WEIGHT) for n, _ in model.named_parameters()) else []
+    return get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets,
+                                            target_parameters=routers or None))
 
 
-def lora_trainable(model: torch.nn.Module, rank: int) -> int:
-    """Adapter parameters of rank `rank` on the attention projections and routers."""
-    count = 0
-    for name, module in model.named_modules():
-        if name.rsplit(".", 1)[-1] in ATTENTION and isinstance(module, torch.nn.Linear):
-            count += rank * (module.in_features + module.out_features)
+def freeze(model: torch.nn.Module, frozen: list[str]) -> None:
+    """Train every weight but those whose names contain one of `frozen`."""
+    names = [name for name, _ in model.named_parameters()]
+    if unmatched := [part for part in frozen if not any(part in name for name in names)]:
+        raise ValueError(f"learner.frozen_parameters: {unmatched} name no weight of this policy "
+                         f"(its weights: {', '.join(names[:4])}, ...)")
     for name, weight in model.named_parameters():
-        if any(name.endswith(r) for r in ROUTERS):
-            count += rank * sum(weight.shape)
-    return count
+        weight.requires_grad_(not any(part in name for part in frozen))
 
 
-def subset_trainable(model: torch.nn.Module, parts: list[str]) -> int:
-    return sum(w.numel() for n, w in model.named_parameters() if any(p in n for p in parts))
-
-
-def apply_mode(model: torch.nn.Module, mode: Mode, *, lora_rank: int = 16, lora_alpha: int = 32,
-               subset: list[str] = SUBSET) -> torch.nn.Module:
-    """The model to train in `mode` (a peft model for lora), its trained weights marked."""
-    if mode == "lora":
-        from peft import LoraConfig, get_peft_model
-
-        targets = [r for r in ROUTERS if any(n.endswith(r) for n, _ in model.named_parameters())]
-        return get_peft_model(model, LoraConfig(r=lora_rank, lora_alpha=lora_alpha, target_modules=ATTENTION,
-                                                target_parameters=targets or None))
-    for name, weight in model.named_parameters():
-        weight.requires_grad_(mode == "full" or any(p in name for p in subset))
-    return model
+def _base_name(name: str) -> str:
+    """A peft-wrapped weight's name in the base model's checkpoint."""
+    return name.removeprefix("base_model.model.").replace(".base_layer", "")
 
 
 def adapted_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """What a replica would serve of the tensors an update touches: the trained weights
-    themselves, or for lora each adapted base weight with its adapter merged (W + s*B@A),
-    by the base model's weight names. Nothing else is copied."""
+    """What a version changes, in fp32 by checkpoint name: each adapted base weight with its
+    adapter merged (W + (alpha/r) B @ A) for a peft model, else the trained weights."""
     from peft.tuners.lora import LoraLayer
 
     adapted = {}
     for name, module in model.named_modules():
         if isinstance(module, LoraLayer):
-            base = module.get_base_layer()
-            param = getattr(module, "parameter_name", "weight")
-            weight = getattr(base, param)
-            key = f"{name.removeprefix('base_model.model.')}.{param}"
-            adapted[key] = (weight + module.get_delta_weight("default").to(weight.dtype)).detach()
-    if not adapted:
-        adapted = {n: w.detach() for n, w in model.named_parameters() if w.requires_grad}
-    return adapted
+            param = getattr(module, "parameter_name", "weight")  # a router's ParamWrapper names its parameter
+            weight = getattr(module.get_base_layer(), param)
+            adapted[_base_name(f"{name}.{param}")] = (weight + module.get_delta_weight("default")).detach()
+    return adapted or {n: w.detach() for n, w in model.named_parameters() if w.requires_grad}
+
+
+def published_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The full checkpoint a version publishes (fp32; exported rounded to bf16): the model's
+    weights, adapters merged in."""
+    state = causal_lm(model).state_dict()
+    if not hasattr(model, "peft_config"):
+        return state
+    merged = adapted_weights(model)
+    return {_base_name(n): merged.get(_base_name(n), t) for n, t in state.items() if ".lora_" not in n}
+
+
+def published_view(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Overrides that make `model` compute with exactly the published (bf16) values of what
+    training changed, by the model's own parameter names (for torch.func.functional_call;
+    a peft model's adapters must be disabled around the call)."""
+    if not hasattr(model, "peft_config"):
+        return {n: w.detach().to(torch.bfloat16).float() for n, w in model.named_parameters() if w.requires_grad}
+    merged = adapted_weights(model)
+    return {n: merged[_base_name(n)].to(torch.bfloat16).float()
+            for n, _ in model.named_parameters() if _base_name(n) in merged and ".lora_" not in n}
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """Bytes the learner holds between steps, before activations."""
+
+    weights: int
+    gradients: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.optimizer
+
+
+def footprint(total_params: int, trained_params: int, weight_bytes: int = 4) -> Footprint:
+    """The model at `weight_bytes` a value (fp32 master weights: 4), plus for each trained
+    value an fp32 gradient and Adam's two fp32 moments (an adapter's own weights count as
+    trained values beside the base)."""
+    return Footprint(weights=total_params * weight_bytes, gradients=trained_params * 4,
+                     optimizer=trained_params * 8)
+
+
+def lora_params(model: torch.nn.Module, rank: int, targets: list[str], router: bool = True) -> int:
+    """Adapter values of rank `rank` on the `targets` modules (and the routers)."""
+    count = sum(rank * (m.in_features + m.out_features) for n, m in model.named_modules()
+                if n.rsplit(".", 1)[-1] in targets and isinstance(m, torch.nn.Linear))
+    if router:
+        count += sum(rank * sum(w.shape) for n, w in model.named_parameters() if n.endswith(ROUTER_WEIGHT))
+    return count
+
+
+def too_big(model: torch.nn.Module, trained: int, available: int, lora_rank: int, lora_targets: list[str]) -> str | None:
+    """Why training `trained` of `model`'s values cannot fit in `available` bytes, naming
+    what would fit; None if it fits."""
+    total = sum(p.numel() for p in model.parameters())
+    need = footprint(total, trained)
+    if need.total <= available:
+        return None
+    lora = footprint(total, lora_params(model, lora_rank, lora_targets))
+    hint = (f"LoRA rank {lora_rank} (LIVERL_LEARNER__LORA) needs about {lora.total / GIB:.1f} GiB"
+            if lora.total <= available else "no mode fits: this policy needs a larger machine or more ranks")
+    return (f"the learner needs about {need.total / GIB:.1f} GiB for {total / 1e9:.2f}B weights in fp32 with "
+            f"{trained / 1e9:.2f}B trained (gradients and Adam), {available / GIB:.1f} GiB is available; {hint}")
+
+
+def available_memory() -> int:
+    """Bytes this machine can still give (MemAvailable: free plus reclaimable cache)."""
+    with open("/proc/meminfo") as meminfo:
+        fields = dict(line.split(":", 1) for line in meminfo)
+    return int(fields["MemAvailable"].split()[0]) * 1024

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +22,8 @@ from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from learner import router_replay
+from learner.logprobs import causal_lm, chunked_token_logprobs
+from learner.modes import available_memory, freeze, published_state, published_view, too_big, with_adapters
 from learner.rl import (
     RunningBaseline,
     adapted_lr,
@@ -34,7 +37,7 @@ from learner.rl import (
 from learner.segments import segments, turns_problem, written_tokens
 from liverl.contracts import Architecture, RewardedSample, misfit
 from liverl.probe import PROBE_FILE, probe_logprobs
-from liverl.settings import LearnerConfig
+from liverl.settings import LearnerConfig, LoraConfig
 
 
 @dataclass
@@ -85,10 +88,31 @@ def vocabulary_logprobs(model: torch.nn.Module, batch: Batch,
     return torch.log_softmax(logits[:, :-1], dim=-1)
 
 
-def token_logprobs(model: torch.nn.Module, batch: Batch,
-                   weights: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
-    """log pi(x_{j+1} | x_<=j) for every position, [B, T-1]; `weights` overrides the model's."""
-    return vocabulary_logprobs(model, batch, weights).gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
+def token_logprobs(model: torch.nn.Module, batch: Batch, weights: dict[str, torch.Tensor] | None = None,
+                   whole_vocabulary: bool = False) -> torch.Tensor:
+    """log pi(x_{j+1} | x_<=j) for every position, [B, T-1]; `weights` overrides the model's.
+    The vocabulary's logits are made a chunk of positions at a time (learner/logprobs.py),
+    or all at once with `whole_vocabulary` (for an entropy term: every logprob the step
+    compares then comes from the same computation, so equal weights give equal numbers).
+    Under FSDP the whole model's forward runs (its hooks gather the sharded embeddings and
+    output layer), so the logits are made at once there too."""
+    if whole_vocabulary or data_parallel()[1] > 1:
+        return vocabulary_logprobs(model, batch, weights).gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
+    if weights is None:
+        return chunked_token_logprobs(model, batch.input_ids, batch.attention)
+    return torch.func.functional_call(TokenLogprobs(model), {f"model.{k}": v for k, v in weights.items()},
+                                      args=(batch.input_ids, batch.attention))
+
+
+class TokenLogprobs(torch.nn.Module):
+    """`chunked_token_logprobs` as a module's forward, so functional_call can swap weights in."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
+        return chunked_token_logprobs(self.model, input_ids, attention)
 
 
 def problem(sample: RewardedSample, arch: Architecture) -> str | None:
@@ -122,31 +146,38 @@ class Trainer:
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        if config.lora is not None:
+            self.model = with_adapters(self.model, config.lora.rank, config.lora.alpha, config.lora.targets,
+                                       config.lora.router)
+        else:
+            freeze(self.model, config.frozen_parameters)
         router_replay.install(self.model)
         self.rank, self.world = data_parallel()
+        trained = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        if why := too_big(self.model, trained, available_memory() * self.world, config.lora.rank if config.lora
+                          else LoraConfig().rank, config.lora.targets if config.lora else LoraConfig().targets):
+            raise ValueError(why)
         if self.world > 1:
             if (state is not None or config.kl_coef > 0 or config.objective != "reinforce"
-                    or config.target_kl is not None):
+                    or config.target_kl is not None or config.lora is not None):
                 raise ValueError("under torchrun the learner starts from a published version "
                                  "(no saved optimizer state), without a KL reference or a proximal "
-                                 "policy (objective reinforce), at a fixed lr (no target_kl)")
+                                 "policy (objective reinforce), at a fixed lr (no target_kl), full weights (no lora)")
             # FSDP2: each decoder layer's weights, grads and Adam state are split over
             # the ranks and gathered only for that layer's forward and backward.
-            for layer in self.model.model.layers:
+            for layer in causal_lm(self.model).model.layers:
                 fully_shard(layer)
             fully_shard(self.model)
-        names = [name for name, _ in self.model.named_parameters()]
-        if unmatched := [part for part in config.frozen_parameters if not any(part in name for name in names)]:
-            raise ValueError(f"learner.frozen_parameters: {unmatched} name no weight of this policy "
-                             f"(its weights: {', '.join(names[:4])}, ...)")
-        for name, weight in self.model.named_parameters():
-            weight.requires_grad_(not any(part in name for part in config.frozen_parameters))
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.Adam(self.trainable, lr=config.lr)
         self.baseline = RunningBaseline()
         if state is not None:
             saved = torch.load(state, weights_only=True)  # never unpickle arbitrary objects
-            self.model.load_state_dict(saved["model"])
+            trained_names = {n for n, p in self.model.named_parameters() if p.requires_grad}
+            if missing := trained_names - set(saved["model"]):
+                raise ValueError(f"{state}: it holds no {sorted(missing)[:3]} ({len(missing)} trained weights "
+                                 f"missing: was LIVERL_LEARNER__LORA or __FROZEN_PARAMETERS changed?)")
+            self.model.load_state_dict(saved["model"], strict=False)
             try:
                 self.optimizer.load_state_dict(saved["optimizer"])
             except ValueError as error:  # Adam's state is per trained tensor
@@ -156,7 +187,7 @@ class Trainer:
             # Adam's saved state carries the lr it last used: a fixed lr is the setting's (so a
             # changed setting takes effect), an adapted one goes on from where it was.
             self.lr = config.lr if config.target_kl is None else min(max(self.lr, config.lr_min), config.lr_max)
-        self.arch = Architecture.of(self.model.config)
+        self.arch = Architecture.of(causal_lm(self.model).config)
         self.layers, self.top_k = self.arch.layers, self.arch.top_k
         self.reference: dict[str, torch.Tensor] | None = None  # kl_reference=stable: its weights
         self.reference_dir: Path | None = None
@@ -226,14 +257,19 @@ class Trainer:
             routing = batch.routing if self.config.router_replay else None
             with router_replay.replay(self.model, routing):
                 parent_logp = reference_logp = None
+                whole = self.config.entropy_coef > 0  # the entropy needs the whole distribution
                 with torch.no_grad():
                     if parent is not None:
-                        parent_logp = token_logprobs(self.model, batch, parent)
+                        parent_logp = token_logprobs(self.model, batch, parent, whole)
                     if self.config.kl_coef > 0:
                         reference_logp = (parent_logp if reference is parent
-                                          else token_logprobs(self.model, batch, reference))
-                vocab_logp = vocabulary_logprobs(self.model, batch)  # last: the routing stats read this pass
-                logp = vocab_logp.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
+                                          else token_logprobs(self.model, batch, reference, whole))
+                # Last: the routing statistics read this pass.
+                if whole:
+                    vocab_logp = vocabulary_logprobs(self.model, batch)
+                    logp = vocab_logp.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
+                else:
+                    logp = token_logprobs(self.model, batch)
             # A trajectory's advantage is credited to every one of its segments.
             row_advantages = advantages[idx][batch.sample_of_row] * share
             loss, step_stats = policy_gradient_loss(
@@ -376,29 +412,57 @@ class Trainer:
         return torch.cat(out)
 
     def snapshot(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        """The weights training changes (all of them in full mode, the rest of a subset
+        frozen, only the adapters under LoRA): the parent, for the trust region, the KL and
+        the gate, without a copy of what does not move."""
+        return {k: v.detach().clone() for k, v in self.model.named_parameters() if v.requires_grad}
 
     def master_state(self) -> dict[str, torch.Tensor]:
-        """The full fp32 weights (gathered to rank 0 under FSDP; other ranks get {})."""
+        """The full fp32 weights a version publishes, adapters merged (gathered to rank 0
+        under FSDP; other ranks get {})."""
         if self.world == 1:
-            return self.model.state_dict()
+            return published_state(self.model)
         return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     def export(self, out_dir: Path, master: dict[str, torch.Tensor] | None = None) -> None:
-        """Write the bf16 rounding of the master weights as an HF model, plus its probe.
+        """Write the bf16 rounding of the master weights as an HF model, plus its probe
+        (computed here, on the loaded model with the published values swapped in).
 
         Under FSDP, pass the `master_state()` every rank gathered; only rank 0 exports.
         """
         master = self.master_state() if master is None else master
         out_dir.mkdir(parents=True, exist_ok=True)
-        self.model.config.dtype = torch.bfloat16
-        self.model.save_pretrained(out_dir, state_dict={k: v.detach().to(torch.bfloat16).contiguous()
-                                                        for k, v in master.items()})
+        lm = causal_lm(self.model)
+        lm.config.dtype = torch.bfloat16
+        lm.save_pretrained(out_dir, state_dict={k: v.detach().to(torch.bfloat16).contiguous()
+                                                for k, v in master.items()})
         self.tokenizer.save_pretrained(out_dir)
-        (out_dir / PROBE_FILE).write_text(json.dumps(probe_logprobs(out_dir, self.tokenizer)))
+        probe = probe_logprobs(out_dir, self.tokenizer, self.published_forward() if self.world == 1 else None)
+        (out_dir / PROBE_FILE).write_text(json.dumps(probe))
+
+    def published_forward(self):
+        """logits(input_ids) as a replica serving the export computes them (fp32 from the bf16
+        values), from the model in memory: no second load of the weights."""
+        view = published_view(self.model)
+
+        def forward(input_ids: torch.Tensor) -> torch.Tensor:
+            # The merged adapters are in `view`: the adapters themselves must not add again.
+            adapters = self.model.disable_adapter() if hasattr(self.model, "disable_adapter") else nullcontext()
+            training = self.model.training
+            self.model.eval()
+            try:
+                with adapters, torch.no_grad():
+                    return torch.func.functional_call(self.model, view, args=(),
+                                                      kwargs={"input_ids": input_ids}).logits
+            finally:
+                self.model.train(training)
+
+        return forward
 
     def save_state(self, path: Path) -> None:
+        """The trained weights' fp32 masters (the rest is the version's checkpoint), Adam's
+        state and the running baselines."""
         tmp = path.with_suffix(".tmp")
-        torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+        torch.save({"model": self.snapshot(), "optimizer": self.optimizer.state_dict(),
                     "baseline": self.baseline.means}, tmp)
         tmp.replace(path)

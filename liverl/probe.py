@@ -20,20 +20,25 @@ PROBE_TEXTS = [
 ]
 
 
-def probe_logprobs(model_dir: Path, tokenizer) -> dict:
+def probe_logprobs(model_dir: Path, tokenizer, forward=None) -> dict:
     """Token logprobs of the probe texts under the published weights, in fp32.
 
     A replica serving this version must reproduce them (same tokens, same numbers).
+    `forward` (input_ids -> logits) computes with those weights already in memory (the
+    learner's); without it they are loaded from `model_dir`.
     """
     import torch  # only the writers (learner, first start) pay for torch
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if forward is None:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        forward = lambda input_ids: model(input_ids=input_ids).logits  # noqa: E731
     probes = []
     with torch.no_grad():
         for text in PROBE_TEXTS:
             ids = tokenizer(text)["input_ids"]
-            logits = model(input_ids=torch.tensor([ids])).logits.float()
+            logits = forward(torch.tensor([ids])).float()
             logp = torch.log_softmax(logits[0, :-1], -1).gather(-1, torch.tensor(ids[1:])[:, None])
             probes.append({"token_ids": ids, "logprobs": logp.squeeze(-1).tolist()})
     return {"probes": probes}

@@ -268,6 +268,18 @@ class IngestConfig(Config):
     )
 
 
+class LoraConfig(Config):
+    """Low-rank adapters (peft) instead of full weights: the base stays frozen, each version
+    publishes the base with the adapters merged (bf16), so replicas serve it as any other."""
+
+    rank: int = Field(16, ge=1, description="Rank r of each adapter.")
+    alpha: int = Field(32, ge=1, description="Scale numerator: an adapter adds (alpha / r) * B @ A.")
+    targets: list[str] = Field(["q_proj", "k_proj", "v_proj", "o_proj"],
+                               description="Module names adapted (nn.Linear layers).")
+    router: bool = Field(True, description="Adapt the MoE routers too (as raw parameters: peft's "
+                         "target_parameters; transformers 5 keeps routers and experts as parameters).")
+
+
 class LearnerConfig(Config):
     @model_validator(mode="after")
     def _batch_bounds(self):
@@ -330,6 +342,8 @@ class LearnerConfig(Config):
                                     "None: the lr stays fixed.")
     lr_min: float = Field(1e-5, gt=0.0, le=1.0, description="Smallest lr the adaptive step size goes to.")
     lr_max: float = Field(1e-3, gt=0.0, le=1.0, description="Largest lr the adaptive step size goes to.")
+    lora: LoraConfig | None = Field(None, description="Train low-rank adapters on a frozen base instead of "
+                                   "the weights themselves (None: full weights, less `frozen_parameters`).")
     frozen_parameters: list[str] = Field(
         default_factory=list, description="Weights kept as the starter has them: those whose names contain "
         "any of these (e.g. embed_tokens, lm_head: the update then changes how the policy uses each token, "
