@@ -281,6 +281,29 @@ def policy_import(model_dir: Path, reason: str = ChangeReason, data_dir: Optiona
         console.print(f"{model_dir} is {version['version']} ({version['state']})")
 
 
+@policy_app.command("real-shape")
+def policy_real_shape(
+    out_dir: Path = typer.Argument(..., help="Where to write the model (HF format, bf16) and its tokenizer."),
+    layers: int = typer.Option(1, min=1, help="Decoder layers (Qwen3-30B-A3B has 48)."),
+    experts: int = typer.Option(128, min=1, help="Experts per layer (Qwen3-30B-A3B has 128; top-8 of them)."),
+    seed: int = typer.Option(0, help="Seed of the random weights."),
+    data_dir: Optional[Path] = DataDir,
+) -> None:
+    """A random-initialised Qwen3-MoE of Qwen3-30B-A3B's per-layer shape and real vocabulary
+    (151,936) with the starter's tokenizer: a model of real size to measure liverl against
+    (then `liverl policy import` it, or serve it with LIVERL_STARTER__MODEL_DIR)."""
+    from policies.real_shape import build_real_shape, parameter_count, real_shape_config
+    from policies.starter import build_starter_policy
+
+    settings = settings_from(data_dir)
+    tokenizer_dir = settings.starter.model_dir or build_starter_policy(settings.starter.cache_dir,
+                                                                        seed=settings.starter.seed)
+    params = parameter_count(real_shape_config(layers, experts))
+    with console.status(f"building {params / 1e9:.2f}B parameters ({params * 2 / 1e9:.1f} GB in bf16)"):
+        build_real_shape(out_dir, Path(tokenizer_dir), layers=layers, experts=experts, seed=seed)
+    console.print(f"{out_dir}: Qwen3-30B-A3B shape, {layers} layer(s) of {experts} experts, {params / 1e9:.2f}B parameters")
+
+
 @policy_app.command("list")
 def policy_list(data_dir: Optional[Path] = DataDir, as_json: bool = Json) -> None:
     from policies.registry import Registry
