@@ -120,7 +120,8 @@ class Population:
     `load` curve, user i is active only while i < users * load(seconds since start)."""
 
     def __init__(self, settings: Settings, api_key: str, users: int, seed: int, max_tokens: int,
-                 load: Callable[[float], float] | None = None):
+                 load: Callable[[float], float] | None = None,
+                 judge: Callable[[str, str], bool] = hidden_rule):
         self.settings = settings
         self.openai = OpenAI(base_url=settings.url(settings.ports.gateway) + "/v1", api_key=api_key,
                              max_retries=5)
@@ -130,6 +131,7 @@ class Population:
         self.max_tokens = max_tokens
         self.tallies: dict[str, Tally] = {}
         self.load = load
+        self.judge = judge  # (prompt, completion) -> accepted
         self.requests: list[Request] = []
         self.started = time.time()
         self.errors = 0
@@ -165,7 +167,7 @@ class Population:
                                              completion.usage.completion_tokens if completion.usage else 0,
                                              raw.headers.get("x-liverl-replica", ""), raw.retries_taken))
             version = raw.headers["x-liverl-policy-version"]
-            ok = hidden_rule(prompt, completion.choices[0].text)
+            ok = self.judge(prompt, completion.choices[0].text)
             (self.feedback.accept if ok else self.feedback.reject)(completion.model_extra["completion_id"])
             with self._lock:
                 tally = self.tallies.setdefault(version, Tally(first_at=time.time() - self.started))
