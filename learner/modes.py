@@ -11,10 +11,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from learner.logprobs import causal_lm
+
+if TYPE_CHECKING:  # the settings need pydantic; this module runs where only torch is (the GPU benchmark)
+    from liverl.settings import LoraConfig
 
 ROUTER_WEIGHT = "mlp.gate.weight"
 GIB = 1024**3
@@ -110,16 +114,16 @@ def lora_params(model: torch.nn.Module, rank: int, targets: list[str], router: b
     return count
 
 
-def too_big(model: torch.nn.Module, trained: int, available: int, lora_rank: int, lora_targets: list[str]) -> str | None:
+def too_big(model: torch.nn.Module, trained: int, available: int, lora: LoraConfig) -> str | None:
     """Why training `trained` of `model`'s values cannot fit in `available` bytes, naming
-    what would fit; None if it fits."""
+    what would fit (adapters as `lora` says); None if it fits."""
     total = sum(p.numel() for p in model.parameters())
     need = footprint(total, trained)
     if need.total <= available:
         return None
-    lora = footprint(total, lora_params(model, lora_rank, lora_targets))
-    hint = (f"LoRA rank {lora_rank} (LIVERL_LEARNER__LORA) needs about {lora.total / GIB:.1f} GiB"
-            if lora.total <= available else "no mode fits: this policy needs a larger machine or more ranks")
+    adapters = footprint(total, lora_params(model, lora.rank, lora.targets, lora.router))
+    hint = (f"LoRA rank {lora.rank} (LIVERL_LEARNER__LORA) needs about {adapters.total / GIB:.1f} GiB"
+            if adapters.total <= available else "no mode fits: this policy needs a larger machine")
     return (f"the learner needs about {need.total / GIB:.1f} GiB for {total / 1e9:.2f}B weights in fp32 with "
             f"{trained / 1e9:.2f}B trained (gradients and Adam), {available / GIB:.1f} GiB is available; {hint}")
 

@@ -19,11 +19,19 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
 )
 from torch.distributed.fsdp import fully_shard
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from learner import router_replay
 from learner.logprobs import causal_lm, chunked_token_logprobs
-from learner.modes import available_memory, freeze, published_state, published_view, too_big, with_adapters
+from learner.modes import (
+    available_memory,
+    freeze,
+    lora_params,
+    published_state,
+    published_view,
+    too_big,
+    with_adapters,
+)
 from learner.rl import (
     RunningBaseline,
     adapted_lr,
@@ -133,6 +141,20 @@ def problem(sample: RewardedSample, arch: Architecture) -> str | None:
     return None
 
 
+def refuse_what_cannot_fit(model_dir: Path, config: LearnerConfig) -> None:
+    """Refuse, before loading anything, a mode whose fp32 weights, gradients and Adam state
+    exceed the memory left, naming what would fit. The ranks of one host share its memory:
+    FSDP splits the footprint between them, it does not shrink it."""
+    with torch.device("meta"):
+        shape = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    lora = config.lora or LoraConfig()
+    trained = (lora_params(shape, lora.rank, lora.targets, lora.router) if config.lora else
+               sum(p.numel() for n, p in shape.named_parameters()
+                   if not any(part in n for part in config.frozen_parameters)))
+    if why := too_big(shape, trained, available_memory(), lora):
+        raise ValueError(why)
+
+
 def data_parallel() -> tuple[int, int]:
     """(rank, world size) under torchrun, else (0, 1)."""
     if dist.is_available() and dist.is_initialized():
@@ -145,6 +167,7 @@ class Trainer:
         torch.set_num_threads(config.threads)
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        refuse_what_cannot_fit(model_dir, config)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         if config.lora is not None:
             self.model = with_adapters(self.model, config.lora.rank, config.lora.alpha, config.lora.targets,
@@ -153,10 +176,6 @@ class Trainer:
             freeze(self.model, config.frozen_parameters)
         router_replay.install(self.model)
         self.rank, self.world = data_parallel()
-        trained = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-        if why := too_big(self.model, trained, available_memory() * self.world, config.lora.rank if config.lora
-                          else LoraConfig().rank, config.lora.targets if config.lora else LoraConfig().targets):
-            raise ValueError(why)
         if self.world > 1:
             if (state is not None or config.kl_coef > 0 or config.objective != "reinforce"
                     or config.target_kl is not None or config.lora is not None):
