@@ -12,8 +12,9 @@ recorded, logprobs over the real vocabulary in chunks, Adam, grad-norm clip) on
 (median of the timed steps after one warm-up), peak memory during the step and resident
 between steps, the share of bf16 values of the trained (or, for lora, merged) tensors
 that one step changed, what one version touches (bytes of those tensors; for lora also
-the adapter's) and the time to copy them into place on the device (a swap of only them). A (size, mode) whose estimated footprint (learner/modes.py) does not
-fit in `--memory-gib` is skipped and said so. Needs torch, transformers and peft only.
+the adapter's) and the time to copy them into place on the device (a swap of only
+them). A (size, mode) whose estimated footprint (learner/modes.py) does not fit in
+`--memory-gib` is skipped and said so. Needs torch, transformers and peft only.
 """
 
 from __future__ import annotations
@@ -134,7 +135,8 @@ def measure(layers: int, experts: int, mode: str, args) -> dict:
                 row["adapter_bytes"] = sum(p.numel() for p in params) * 2  # shipped in bf16
             del after
     tokens = args.rows * (args.length - 1)
-    row.update(step_s=round(statistics.median(times), 3), s_per_1k_tokens=round(statistics.median(times) / tokens * 1000, 4),
+    step_s = statistics.median(times)
+    row.update(step_s=round(step_s, 3), s_per_1k_tokens=round(step_s / tokens * 1000, 4),
                tokens_per_step=tokens, peak_gib=round(peak_bytes(args.device) / GIB, 2),
                resident_gib=round(resident_bytes(args.device) / GIB, 2))
     del model, optimizer, params, before

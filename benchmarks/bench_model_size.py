@@ -2,7 +2,7 @@
 billion-parameter MoE of a real model's shape, on this machine.
 
     .venv/bin/python benchmarks/bench_model_size.py                       # starter, 0.68B, 0.79B, 1.25B
-    .venv/bin/python benchmarks/bench_model_size.py --sizes starter 1x128 --minutes 6
+    .venv/bin/python benchmarks/bench_model_size.py --sizes starter --sizes 1x128 --minutes 6
 
 Each size runs the embedded stack (broker, ingest, stream, sink, gateway, one vLLM
 replica, learner, controller) serving that model: the starter (3.7 MB), or Qwen3-30B-A3B's
@@ -35,7 +35,6 @@ import threading
 import time
 from pathlib import Path
 
-import httpx
 import psutil
 import typer
 from rich.console import Console
@@ -45,10 +44,10 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_delta import change_stats  # noqa: E402
+from bench_swap import steady_load  # noqa: E402
 
 from app.demo import Population, demo_settings, hidden_rule  # noqa: E402
-from app.stack import down, drain, status, up, wipe_data_dir  # noqa: E402
-from liverl.keys import admin_headers  # noqa: E402
+from app.stack import down, status, up, wipe_data_dir  # noqa: E402
 from liverl.pool import SERVED_MODEL_NAME, replica_client  # noqa: E402
 from liverl.settings import LoraConfig, Settings  # noqa: E402
 from policies.real_shape import build_real_shape  # noqa: E402
@@ -57,7 +56,6 @@ from sync import Checkpoint, encode_delta, iter_apply  # noqa: E402
 
 console = Console(width=180)
 ROOT = Path(__file__).resolve().parents[1]
-STATUS_SQL = "SELECT status, count() AS n FROM requests GROUP BY status ORDER BY status"
 
 
 def has_text(prompt: str, completion: str) -> bool:
@@ -105,9 +103,9 @@ def model_for(size: str, models: Path) -> tuple[Path | None, int]:
     if size == "starter":
         return None, 0
     layers, experts = (int(x) for x in size.split("x"))
+    from liverl.settings import StarterPolicyConfig
     from policies.real_shape import parameter_count, real_shape_config
     from policies.starter import build_starter_policy
-    from liverl.settings import StarterPolicyConfig
 
     starter = build_starter_policy(StarterPolicyConfig().cache_dir, progress=False)
     out = build_real_shape(models / f"real-{size}", starter, layers=layers, experts=experts)
@@ -158,8 +156,8 @@ def replica_alone(settings: Settings, model_dir: Path, tokens: int = 32) -> dict
                 first = None
                 count = 0
                 with http.stream("POST", "/v1/completions", json={
-                        "model": SERVED_MODEL_NAME, "prompt": "def add(a, b):", "max_tokens": tokens, "temperature": 1.0,
-                        "seed": i, "stream": True, "ignore_eos": True}) as response:
+                        "model": SERVED_MODEL_NAME, "prompt": "def add(a, b):", "max_tokens": tokens,
+                        "temperature": 1.0, "seed": i, "stream": True, "ignore_eos": True}) as response:
                     response.raise_for_status()
                     for line in response.iter_lines():
                         if line.startswith("data: {"):
@@ -216,17 +214,7 @@ def run_size(size: str, args: dict, models: Path, data_root: Path) -> dict:
             keys = json.loads((settings.data_dir / "dev-keys.json").read_text())
             population = Population(settings, keys["tenant_key"], args["users"], seed=0,
                                     max_tokens=args["max_tokens"], judge=has_text if model_dir else hidden_rule)
-            threads = population.start()
-            with Progress(console=console) as bar:
-                task = bar.add_task(f"{size}: users on the gateway", total=args["minutes"] * 60)
-                while (elapsed := time.time() - population.started) < args["minutes"] * 60:
-                    time.sleep(1)
-                    bar.update(task, completed=elapsed)
-            population.stop(threads)
-            drain(settings, settings.drain_timeout_s, say=lambda _: None)
-            answer = httpx.post(settings.url(settings.ports.sink) + "/sql", timeout=60,
-                                headers=admin_headers(settings), json={"sql": STATUS_SQL, "format": "json"})
-            statuses = {str(r["status"]): int(r["n"]) for r in json.loads(answer.raise_for_status().text)["data"]}
+            statuses = steady_load(settings, population, args["minutes"], f"{size}: users on the gateway")
         finally:
             down(settings, say=console.print, force=True)
     registry = Registry(settings.policies_dir)
@@ -286,9 +274,9 @@ def plot(rows: list[dict], path: Path) -> None:
         ("feedback to serving, median (s)", [r["feedback_to_serving_s_median"] or 0 for r in rows]),
     ]
     fig, axes = plt.subplots(2, 3, figsize=(13, 7))
-    for ax, (title, values) in zip(axes.flat, panels):
+    for ax, (title, values) in zip(axes.flat, panels, strict=False):
         ax.plot(params, values, "o-")
-        for x, y, r in zip(params, values, rows):
+        for x, y, r in zip(params, values, rows, strict=True):
             ax.annotate(r["size"], (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
         ax.set_title(title)
         ax.set_xlabel("parameters (B)")

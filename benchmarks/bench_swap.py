@@ -47,6 +47,21 @@ def swaps_table(registry: Registry) -> list[dict]:
     return rows
 
 
+def steady_load(settings: Settings, population: Population, minutes: float, label: str) -> dict[str, int]:
+    """The users for `minutes`, then a drain; the gateway's requests by HTTP status."""
+    threads = population.start()
+    with Progress(console=console) as bar:
+        task = bar.add_task(label, total=minutes * 60)
+        while (elapsed := time.time() - population.started) < minutes * 60:
+            time.sleep(1)
+            bar.update(task, completed=elapsed)
+    population.stop(threads)
+    drain(settings, settings.drain_timeout_s, say=lambda _: None)
+    response = httpx.post(settings.url(settings.ports.sink) + "/sql", timeout=60,
+                          headers=admin_headers(settings), json={"sql": STATUS_SQL, "format": "json"})
+    return {str(r["status"]): int(r["n"]) for r in json.loads(response.raise_for_status().text)["data"]}
+
+
 def idle_swaps(settings: Settings, rounds: int) -> list[dict]:
     """The floor without load: learner paused, no traffic, each replica swapped between
     the stable version and its parent, `rounds` times each way, through the same code."""
@@ -89,17 +104,7 @@ def main(replicas: int = 2, minutes: float = 4.0, users: int = 4, seed: int = 0,
     try:
         keys = json.loads((settings.data_dir / "dev-keys.json").read_text())
         population = Population(settings, keys["tenant_key"], users, seed, max_tokens=32)
-        threads = population.start()
-        with Progress(console=console) as bar:
-            task = bar.add_task(f"steady load from {users} users", total=minutes * 60)
-            while (elapsed := time.time() - population.started) < minutes * 60:
-                time.sleep(1)
-                bar.update(task, completed=elapsed)
-        population.stop(threads)
-        drain(settings, settings.drain_timeout_s, say=lambda _: None)
-        response = httpx.post(settings.url(settings.ports.sink) + "/sql", timeout=60,
-                              headers=admin_headers(settings), json={"sql": STATUS_SQL, "format": "json"})
-        statuses = json.loads(response.raise_for_status().text)["data"]
+        statuses = steady_load(settings, population, minutes, f"steady load from {users} users")
         swaps = swaps_table(Registry(settings.policies_dir))
         idle = idle_swaps(settings, rounds=idle_rounds)
     finally:
@@ -121,7 +126,7 @@ def main(replicas: int = 2, minutes: float = 4.0, users: int = 4, seed: int = 0,
         "replicas": replicas, "minutes": minutes,
         "versions_on_every_replica": sum(1 for v in {s["version"] for s in ok}
                                          if sum(s["version"] == v for s in ok) == replicas),
-        "request_statuses": {str(r["status"]): int(r["n"]) for r in statuses},
+        "request_statuses": statuses,
         "client_errors": population.errors,
         "delta_swaps": len(delta),
         "median_fetched_over_weights": statistics.median(s["fetched_bytes"] / s["weights_bytes"] for s in delta)

@@ -40,9 +40,9 @@ def test_a_lora_version_publishes_merged_weights_that_change_only_what_is_adapte
     # The probe made on the model in memory is the one a fresh load of the export gives.
     written = json.loads((tmp_path / "v1" / PROBE_FILE).read_text())["probes"]
     loaded = probe_logprobs(tmp_path / "v1", trainer.tokenizer)["probes"]
-    for mine, theirs in zip(written, loaded):
+    for mine, theirs in zip(written, loaded, strict=True):
         assert mine["token_ids"] == theirs["token_ids"]
-        assert max(abs(a - b) for a, b in zip(mine["logprobs"], theirs["logprobs"])) < 1e-5
+        assert max(abs(a - b) for a, b in zip(mine["logprobs"], theirs["logprobs"], strict=True)) < 1e-5
 
 
 def test_a_lora_learner_resumes_its_adapters_and_refuses_a_state_of_another_mode(starter_dir: Path,

@@ -79,8 +79,8 @@ def test_the_architecture_counts_only_the_layers_with_experts(family_dirs: dict[
 
 def served_sample(url: str, version: str, tenant: str = "acme") -> RewardedSample:
     """A chat completion asked as the gateway asks it, as the trajectory it records."""
-    from serving.gateway import upstream_body
     from liverl.pool import replica_client
+    from serving.gateway import upstream_body
 
     body = upstream_body({"messages": [{"role": "user", "content": "def add(a, b):"}], "max_tokens": 12,
                           "temperature": 1.0, "seed": 3}, chat=True)
