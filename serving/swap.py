@@ -12,9 +12,12 @@ one, never on unverified weights):
   short), vLLM pauses keeping whatever is still in flight, the weights load, the
   prefix cache is reset (cached KV came from the old weights), vLLM resumes, the
   version's probe set is checked against the trainer's logprobs, and only then does
-  the gateway route to it again.
-  A replica that fails the probe loads its old weights back, is verified again, and
-  serves on.
+  the gateway route to it again. The load is partial: only the tensors whose bytes
+  differ from what the replica holds (hashed before the pause), completed to whole vLLM
+  modules, so the pause scales with the change (a LoRA step: attention and routers);
+  the whole directory when the change covers most of the model or a partial load fails.
+  A replica that fails the probe loads its old weights back (whole), is verified again,
+  and serves on.
 - "restart": blue/green per replica: start the new version beside the old, verify,
   point the gateway at it, let the old one finish its requests, stop it.
 
@@ -26,6 +29,8 @@ staging fails, the registry's full directory is loaded instead and the report sa
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import json
 import math
 import re
@@ -48,6 +53,7 @@ from liverl.pool import (
 from liverl.probe import PROBE_FILE
 from liverl.process import stop_pid, wait_until
 from liverl.settings import Settings
+from serving.inplace import changed_tensors, tensor_digests
 from serving.replicas import launch_replica, replica_url, wait_replica
 from sync.replica import ReplicaSync
 
@@ -76,6 +82,13 @@ class SwapReport(BaseModel):
     fetch_s: float = Field(0.0, description="Fetching and verifying chunks from the delta store.")
     decode_s: float = Field(0.0, description="Decoding deltas into the replica's directory and verifying it.")
     sync_error: str | None = Field(None, description="Why the delta transport was not used.")
+    load_mode: str | None = Field(None, description="partial: only the modules whose tensors changed were "
+                                                    "loaded; full: the whole directory.")
+    loaded_tensors: int = Field(0, description="Checkpoint tensors loaded into the engine.")
+    loaded_bytes: int = Field(0, description="Their bytes.")
+    load_fallback: str | None = Field(None, description="Why the load was not partial.")
+    diff_s: float = Field(0.0, description="Finding the changed tensors (hashing what was not hashed "
+                                           "before the replica left rotation).")
 
 
 def probe_diff(url: str, model_dir: Path) -> float:
@@ -129,10 +142,59 @@ def drain_in_flight(url: str, timeout_s: float) -> float:
     return time.time() - t
 
 
+# Set inside `loading_whole()`: `revert` loads the old weights back whole, whatever a
+# failed load left (the partial path trusts that the replica holds what it says it holds).
+_whole_reload: contextvars.ContextVar[bool] = contextvars.ContextVar("whole_reload", default=False)
+
+
+@contextlib.contextmanager
+def loading_whole():
+    """`load_in_place` calls inside load the whole directory (no diff, no partial load)."""
+    token = _whole_reload.set(True)
+    try:
+        yield
+    finally:
+        _whole_reload.reset(token)
+
+
+class LoadSteps(dict):
+    """Seconds per step of `load_in_place` (a dict, as before); `worker` is the extension's
+    answer (mode partial or full, what it loaded, why not partial)."""
+
+    worker: dict
+
+
+def partial_plan(http: httpx.Client, model_dir: Path) -> tuple[dict, str | None]:
+    """The load RPC's arguments for a partial load of `model_dir` (the tensors that differ
+    from what the replica holds, hashed here while it serves on), or none and why."""
+    served = rpc(http, "inplace_served")
+    paths = {(answer or {}).get("path") for answer in served}
+    if len(paths) != 1 or None in paths:
+        return {}, f"the replica holds {sorted(map(str, paths))}"
+    base = paths.pop()
+    if not Path(base).is_dir():
+        return {}, f"the replica's weights directory {base} is gone"
+    changed = changed_tensors(base, model_dir)
+    if changed is None:
+        return {}, "the tensor layout differs from what the replica holds"
+    return {"changed": json.dumps(changed), "base": base}, None
+
+
+def rpc(http: httpx.Client, method: str, **kwargs: object) -> list:
+    return http.post("/collective_rpc", json={"method": method, "kwargs": kwargs}).raise_for_status().json()["results"]
+
+
 def load_in_place(url: str, model_dir: Path) -> dict[str, float]:
     """Pause keeping in-flight requests, load, drop stale KV, resume; seconds per step
-    (`worker_load` is the load as timed inside vLLM's worker)."""
-    steps: dict[str, float] = {}
+    (`worker_load` is the load as timed inside vLLM's worker, `serving_pause` pause to
+    resumed, `diff` finding the changed tensors before the pause).
+
+    Only the tensors that differ from what the replica holds are loaded (with whatever
+    else their vLLM modules need; `serving/inplace.py`), so the pause scales with the
+    change; the whole directory when that cannot be worked out, inside `revert`, or when
+    the worker falls back (it says why in `LoadSteps.worker`)."""
+    steps = LoadSteps()
+    steps.worker = {}
 
     def step(name: str, path: str, **request: object) -> httpx.Response:
         t = time.perf_counter()
@@ -141,29 +203,60 @@ def load_in_place(url: str, model_dir: Path) -> dict[str, float]:
         return response
 
     with replica_client(url, timeout=120) as http:
+        kwargs: dict[str, object] = {"path": str(model_dir)}
+        why_whole = "asked to load it whole" if _whole_reload.get() else None
+        if why_whole is None:
+            t = time.perf_counter()
+            try:
+                plan, why_whole = partial_plan(http, model_dir)
+            except Exception as error:  # a replica without the partial path, unreadable files...
+                plan, why_whole = {}, f"{type(error).__name__}: {error}"
+            kwargs.update(plan)
+            steps["diff"] = time.perf_counter() - t
+        paused = time.perf_counter()
         # clear_cache=false: it only clears the multimodal input cache, through a busy executor
         step("pause", "/pause", params={"mode": "keep", "clear_cache": "false"})
         try:
             loaded = step("load", "/collective_rpc", json={"method": "inplace_load_weights_from_dir",
-                                                           "kwargs": {"path": str(model_dir)}})
+                                                           "kwargs": kwargs})
             step("reset", "/reset_prefix_cache", params={"reset_running_requests": "true"})
         finally:
             step("resume", "/resume")
-    # A figure for reports only: its absence must not fail a swap that succeeded.
-    steps["worker_load"] = (loaded.json().get("results") or [{}])[0].get("load_s", math.nan)
+            steps["serving_pause"] = time.perf_counter() - paused
+    # Figures for reports only: their absence must not fail a swap that succeeded.
+    steps.worker = (loaded.json().get("results") or [{}])[0] or {}
+    steps.worker.setdefault("fallback", None)
+    if why_whole and not steps.worker["fallback"]:
+        steps.worker["fallback"] = why_whole
+    steps["worker_load"] = steps.worker.get("load_s", math.nan)
     return steps
+
+
+def prehash(*model_dirs: Path | str) -> None:
+    """Hash the directories' tensors now, while the replica still serves (cached: the load's
+    diff then costs nothing out of rotation). Best effort: the load finds out for itself."""
+    for model_dir in model_dirs:
+        try:
+            tensor_digests(model_dir)
+        except Exception:
+            pass
 
 
 def swap_in_place(settings: Settings, name: str, version: str, model_dir: Path, enable: bool = True) -> SwapReport:
     old = read_pool(settings).get(name)
     report = SwapReport(replica=name, version=version, ok=False, mode="inplace")
+    prehash(old.model_dir, model_dir)
     paused = time.time()
     set_replica(settings, name, enabled=False)
     try:
         report.drain_s = drain_in_flight(old.url, settings.serving.swap_drain_s)
         t = time.time()
-        load_in_place(old.url, model_dir)
-        report.load_s = time.time() - t
+        steps = load_in_place(old.url, model_dir)
+        report.load_s = steps.get("serving_pause", time.time() - t)
+        report.diff_s = steps.get("diff", 0.0)
+        worker = getattr(steps, "worker", {})
+        report.load_mode, report.load_fallback = worker.get("mode"), worker.get("fallback")
+        report.loaded_tensors, report.loaded_bytes = worker.get("tensors", 0), worker.get("loaded_bytes", 0)
         t = time.time()
         report.max_logprob_diff = verify(old.url, model_dir, settings.learner.probe_tolerance)
         report.verify_s = time.time() - t
@@ -177,9 +270,11 @@ def swap_in_place(settings: Settings, name: str, version: str, model_dir: Path, 
 
 
 def revert(settings: Settings, old: Replica, enable: bool = True) -> bool:
-    """Back to the weights the replica had, verified; a restart if even that fails."""
+    """Back to the weights the replica had, loaded whole (whatever a failed load left) and
+    verified; a restart if even that fails."""
     try:
-        load_in_place(old.url, Path(old.model_dir))
+        with loading_whole():
+            load_in_place(old.url, Path(old.model_dir))
         verify(old.url, Path(old.model_dir), settings.learner.probe_tolerance)
     except Exception:
         return swap_by_restart(settings, old.name, old.policy_version, Path(old.model_dir), enable).ok

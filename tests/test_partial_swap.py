@@ -103,7 +103,7 @@ def test_a_lora_like_change_loads_only_attention_and_routers_and_verifies(served
     from serving.inplace import changed_tensors, read_headers
     from serving.swap import load_in_place, probe_diff, verify
 
-    settings, parent_dir, versions = served
+    _, parent_dir, versions = served
     url, new = on_parent, versions["lora"]
     touched = sorted(n for n in read_headers(new) if LORA_LIKE.search(n))
     assert len(touched) == 3 * 5 and changed_tensors(parent_dir, new) == touched
@@ -125,7 +125,7 @@ def test_an_expert_change_loads_its_whole_moe_layer_repacked_and_verifies(served
     from serving.inplace import read_headers
     from serving.swap import load_in_place, verify
 
-    settings, parent_dir, versions = served
+    _, parent_dir, versions = served
     url, new = on_parent, versions["expert"]
     # every expert of layer 1 (8 experts x gate, up, down) and q, k, v of layer 2
     whole = sorted(n for n in read_headers(new) if n.startswith("model.layers.1.mlp.experts.")
@@ -159,7 +159,7 @@ def test_what_cannot_be_loaded_in_part_is_loaded_whole(served, on_parent):
     from serving.inplace import changed_tensors
     from serving.swap import verify
 
-    settings, parent_dir, versions = served
+    _, parent_dir, versions = served
     url, new = on_parent, versions["lora"]
     changed = json.dumps(changed_tensors(parent_dir, new))
 
