@@ -214,7 +214,10 @@ def run_size(size: str, args: dict, models: Path, data_root: Path) -> dict:
             keys = json.loads((settings.data_dir / "dev-keys.json").read_text())
             population = Population(settings, keys["tenant_key"], args["users"], seed=0,
                                     max_tokens=args["max_tokens"], judge=has_text if model_dir else hidden_rule)
-            statuses = steady_load(settings, population, args["minutes"], f"{size}: users on the gateway")
+            # At real size the learner falls behind the users (it trains what it can, the rest
+            # ages past max_version_lag and is dropped): only the data plane is drained.
+            statuses = steady_load(settings, population, args["minutes"], f"{size}: users on the gateway",
+                                   drain_learner=model_dir is None)
         finally:
             down(settings, say=console.print, force=True)
     registry = Registry(settings.policies_dir)
@@ -230,11 +233,12 @@ def run_size(size: str, args: dict, models: Path, data_root: Path) -> dict:
     tokens = sum(v.metrics.get("tokens", 0) for v in learned)
     train_s = sum(v.metrics.get("train_seconds", 0.0) for v in learned)
     deltas = delta_figures(registry, learned)
-    alone = replica_alone(settings, Path(model_dir or versions[0].model_dir))
+    source = Path(model_dir or settings.starter.cache_dir)  # retention may have removed v0's copy
+    alone = replica_alone(settings, source)
     disk = int(subprocess.run(["du", "-sb", str(settings.policies_dir)], capture_output=True, text=True,
                               check=True).stdout.split()[0])
     if not params:
-        params = sum(t.numel() for t in Checkpoint(Path(versions[0].model_dir)).values())
+        params = sum(t.numel() for t in Checkpoint(source).values())
     return {
         "size": size, "params": params, "stack_up_s": round(stack_up_s, 1), **alone,
         "peak_rss_gib": {name: round(b / 2**30, 2) for name, b in sorted(memory.peaks.items())},

@@ -47,8 +47,10 @@ def swaps_table(registry: Registry) -> list[dict]:
     return rows
 
 
-def steady_load(settings: Settings, population: Population, minutes: float, label: str) -> dict[str, int]:
-    """The users for `minutes`, then a drain; the gateway's requests by HTTP status."""
+def steady_load(settings: Settings, population: Population, minutes: float, label: str,
+                drain_learner: bool = True) -> dict[str, int]:
+    """The users for `minutes`, then a drain (of the learner's backlog too, unless told not
+    to); the gateway's requests by HTTP status."""
     threads = population.start()
     with Progress(console=console) as bar:
         task = bar.add_task(label, total=minutes * 60)
@@ -56,6 +58,8 @@ def steady_load(settings: Settings, population: Population, minutes: float, labe
             time.sleep(1)
             bar.update(task, completed=elapsed)
     population.stop(threads)
+    if not drain_learner:
+        settings = settings.model_copy(update={"learner": settings.learner.model_copy(update={"enabled": False})})
     drain(settings, settings.drain_timeout_s, say=lambda _: None)
     response = httpx.post(settings.url(settings.ports.sink) + "/sql", timeout=60,
                           headers=admin_headers(settings), json={"sql": STATUS_SQL, "format": "json"})
