@@ -22,7 +22,7 @@ fi
 
 # Each environment reinstalls only when what defines it changed.
 stamp() { cat "$@" | sha256sum | cut -c1-16; }
-core_stamp() { stamp pyproject.toml install.sh; }
+core_stamp() { stamp pyproject.toml sdk/pyproject.toml install.sh; }
 serving_stamp() { echo "$VLLM_PACKAGE" | stamp - install.sh; }
 
 if [ ! -f .venv/.installed ] || [ "$(cat .venv/.installed)" != "$(core_stamp)" ]; then
