@@ -27,6 +27,7 @@ that version serving).
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -34,6 +35,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Optional
 
 import psutil
 import typer
@@ -274,13 +276,14 @@ def plot(rows: list[dict], path: Path) -> None:
     panels = [
         ("replica cold start (s)", [r["cold_start_s"] for r in rows]),
         ("replica peak RSS (GiB)", [r["peak_rss_gib"].get("replica-0", 0) for r in rows]),
-        ("learner s / 1k tokens", [r["learner_s_per_1k_tokens"] or 0 for r in rows]),
-        ("delta MB per version (median)", [statistics.median(r["delta_mb"]) if r["delta_mb"] else 0 for r in rows]),
-        ("engine pause per swap, p50 (s)", [r["engine_pause_s_p50"] or 0 for r in rows]),
-        ("feedback to serving, median (s)", [r["feedback_to_serving_s_median"] or 0 for r in rows]),
+        ("learner s / 1k tokens", [r["learner_s_per_1k_tokens"] for r in rows]),
+        ("delta MB per version (median)", [statistics.median(r["delta_mb"]) if r["delta_mb"] else None for r in rows]),
+        ("engine pause per swap, p50 (s)", [r["engine_pause_s_p50"] for r in rows]),
+        ("feedback to serving, median (s)", [r["feedback_to_serving_s_median"] for r in rows]),
     ]
     fig, axes = plt.subplots(2, 3, figsize=(13, 7))
     for ax, (title, values) in zip(axes.flat, panels, strict=False):
+        values = [math.nan if v is None else v for v in values]  # nothing measured: no point
         ax.plot(params, values, "o-")
         for x, y, r in zip(params, values, rows, strict=True):
             ax.annotate(r["size"], (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
@@ -297,7 +300,12 @@ def main(sizes: list[str] = typer.Option(["starter", "1x8", "1x32", "1x128"], he
          users: int = typer.Option(2, help="Concurrent simulated users."),
          max_tokens: int = typer.Option(16, help="Tokens per completion."),
          batch: int = typer.Option(32, help="Samples per version (learner.batch_samples)."),
-         out: Path = typer.Option(ROOT / "bench-size", help="Results, models and state.")) -> None:
+         out: Path = typer.Option(ROOT / "bench-size", help="Results, models and state."),
+         plot_only: Optional[Path] = typer.Option(None, help="Only plot every row of OUT/results.jsonl "
+                                                  "(sizes from several runs) to this PNG.")) -> None:
+    if plot_only:
+        plot([json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()], plot_only)
+        return
     out.mkdir(parents=True, exist_ok=True)
     args = {"minutes": minutes, "users": users, "max_tokens": max_tokens, "batch": batch}
     rows = []
