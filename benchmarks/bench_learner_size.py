@@ -3,6 +3,10 @@
     python benchmarks/bench_learner_size.py --device cuda --layers 1 2 4 8 48 --modes full subset lora
     python benchmarks/bench_learner_size.py --device cpu --layers 1 --experts 8 32 128 --modes subset lora
 
+Modes: full, subset (attention and routers in full), lora (rank r on attention and
+routers, `learner.lora`), lora-experts (lora plus the 3-D expert stacks through peft's
+target_parameters: measured here, not offered by the learner).
+
 Each size is Qwen3-30B-A3B's per-layer shape (policies/real_shape.py) with `--layers`
 layers of `--experts` experts, random seeded weights. Per (size, mode) it takes the
 learner's step as the service does (policy-gradient loss of learner/rl.py, the PPO
@@ -68,11 +72,15 @@ def measure(layers: int, experts: int, mode: str, args) -> dict:
     row = {"layers": layers, "experts": experts, "params": total, "mode": mode, "device": args.device}
     with torch.device("meta"):
         shell = __import__("transformers").AutoModelForCausalLM.from_config(config)
-    trainable = {"full": total,
-                 "subset": sum(w.numel() for n, w in shell.named_parameters() if any(p in n for p in SUBSET)),
-                 "lora": lora_params(shell, args.lora_rank, ATTENTION)}[mode]
+    if mode == "lora-experts":  # peft's own count: its adapters on 3-D stacks have their own shape
+        trainable = sum(p.numel() for p in with_adapters(shell, args.lora_rank, 2 * args.lora_rank, ATTENTION,
+                                                         experts=True).parameters() if p.requires_grad)
+    else:
+        trainable = {"full": total,
+                     "subset": sum(w.numel() for n, w in shell.named_parameters() if any(p in n for p in SUBSET)),
+                     "lora": lora_params(shell, args.lora_rank, ATTENTION)}[mode]
     # The LoRA base stays bf16 here (its published rounding); full and subset keep fp32 masters.
-    need = footprint(total, trainable, weight_bytes=2 if mode == "lora" else 4).total
+    need = footprint(total, trainable, weight_bytes=2 if mode.startswith("lora") else 4).total
     row.update(trainable=trainable, estimated_gib=round(need / GIB, 2))
     if need > args.memory_gib * GIB:
         row["skipped"] = f"needs about {need / GIB:.1f} GiB before activations, {args.memory_gib} GiB available"
@@ -81,10 +89,10 @@ def measure(layers: int, experts: int, mode: str, args) -> dict:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     started = time.perf_counter()
-    model = random_model(config, seed=0, dtype=torch.bfloat16 if mode == "lora" else torch.float32,
+    model = random_model(config, seed=0, dtype=torch.bfloat16 if mode.startswith("lora") else torch.float32,
                          device=args.device)
-    if mode == "lora":
-        model = with_adapters(model, args.lora_rank, 2 * args.lora_rank, ATTENTION)
+    if mode.startswith("lora"):
+        model = with_adapters(model, args.lora_rank, 2 * args.lora_rank, ATTENTION, experts=mode == "lora-experts")
     else:
         for name, weight in model.named_parameters():
             weight.requires_grad_(mode == "full" or any(p in name for p in SUBSET))
@@ -131,7 +139,7 @@ def measure(layers: int, experts: int, mode: str, args) -> dict:
                 before[n].copy_(weight)
             sync(args.device)
             row["apply_touched_s"] = round(time.perf_counter() - t1, 4)
-            if mode == "lora":
+            if mode.startswith("lora"):
                 row["adapter_bytes"] = sum(p.numel() for p in params) * 2  # shipped in bf16
             del after
     tokens = args.rows * (args.length - 1)
@@ -157,7 +165,7 @@ def main() -> None:
                         help="Memory a mode may use (default: the GPU's, or 80%% of the host's).")
     parser.add_argument("--out", type=Path, default=None, help="Append one JSON line per (size, mode).")
     args = parser.parse_args()
-    args.lr = {"full": 1e-6, "subset": 1e-6, "lora": 1e-5}
+    args.lr = {"full": 1e-6, "subset": 1e-6, "lora": 1e-5, "lora-experts": 1e-5}
     if args.memory_gib is None:
         if args.device.startswith("cuda"):
             args.memory_gib = torch.cuda.get_device_properties(0).total_memory / GIB * 0.85

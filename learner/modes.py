@@ -21,17 +21,23 @@ if TYPE_CHECKING:  # the settings need pydantic; this module runs where only tor
     from liverl.settings import LoraConfig
 
 ROUTER_WEIGHT = "mlp.gate.weight"
+EXPERT_STACKS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 GIB = 1024**3
 
 
 def with_adapters(model: torch.nn.Module, rank: int, alpha: int, targets: list[str],
-                  router: bool = True) -> torch.nn.Module:
-    """`model` wrapped by peft with adapters of rank `rank` on `targets` (and its routers)."""
+                  router: bool = True, experts: bool = False) -> torch.nn.Module:
+    """`model` wrapped by peft with adapters of rank `rank` on `targets` (and its routers;
+    `experts`: the 3-D expert stacks too, which peft merges into a weight the size of the
+    stack at every forward: benchmarks/bench_learner_size.py measures it, the learner does
+    not offer it)."""
     from peft import LoraConfig, get_peft_model
 
-    routers = [ROUTER_WEIGHT] if router and any(n.endswith(ROUTER_WEIGHT) for n, _ in model.named_parameters()) else []
+    names = [n for n, _ in model.named_parameters()]
+    wanted = ([ROUTER_WEIGHT] if router else []) + (EXPERT_STACKS if experts else [])
+    parameters = [w for w in wanted if any(n.endswith(w) for n in names)]
     return get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets,
-                                            target_parameters=routers or None))
+                                            target_parameters=parameters or None))
 
 
 def freeze(model: torch.nn.Module, frozen: list[str]) -> None:
