@@ -286,6 +286,9 @@ class LearnerConfig(Config):
         if self.min_samples > self.batch_samples:
             raise ValueError(f"LIVERL_LEARNER__MIN_SAMPLES ({self.min_samples}) must not exceed "
                              f"LIVERL_LEARNER__BATCH_SAMPLES ({self.batch_samples})")
+        if self.lora is not None and self.frozen_parameters:
+            raise ValueError("LIVERL_LEARNER__LORA trains adapters on a frozen base: "
+                             "LIVERL_LEARNER__FROZEN_PARAMETERS has nothing to freeze beside it")
         if self.target_kl is not None and not self.lr_min <= self.lr <= self.lr_max:
             raise ValueError(f"LIVERL_LEARNER__LR ({self.lr}) must lie within LIVERL_LEARNER__LR_MIN "
                              f"({self.lr_min}) and LIVERL_LEARNER__LR_MAX ({self.lr_max}) when "

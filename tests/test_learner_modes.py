@@ -58,6 +58,11 @@ def test_a_lora_learner_resumes_its_adapters_and_refuses_a_state_of_another_mode
         Trainer(starter_dir, LearnerConfig(), tmp_path / "v1.pt")
 
 
+def test_lora_and_a_frozen_subset_are_not_asked_for_together():
+    with pytest.raises(ValueError, match="FROZEN_PARAMETERS has nothing to freeze"):
+        LearnerConfig(lora=LoraConfig(), frozen_parameters=["experts"])
+
+
 def test_a_frozen_subset_keeps_no_copy_of_what_does_not_train(starter_dir: Path):
     trainer = Trainer(starter_dir, LearnerConfig(frozen_parameters=["embed_tokens", "lm_head", "experts"]))
     parent = trainer.snapshot()
