@@ -120,8 +120,8 @@ def settings_for(size: str, model_dir: Path | None, data_root: Path, batch: int)
     settings.serving.replicas = 1
     settings.learner.batch_samples = batch
     settings.learner.min_samples = min(settings.learner.min_samples, batch)
-    # The KL from stable loads two whole models per version: at real size that alone is
-    # 10 GB beside the replica, so the gate does without it here (measured, not enforced).
+    # The KL from stable loads stable and the candidate again, one after the other, in fp32
+    # (5 GB at 1.25B beside the learner's own copy): the gate does without it here.
     settings.learner.gate_kl_samples = 0
     # Costs, not learning, are measured here: with one replica there is no second one to
     # judge a canary against, so each candidate the offline gate lets through (made lenient)
