@@ -275,20 +275,7 @@ class Trainer:
             batch = collate([samples[i] for i in idx], self.tokenizer.pad_token_id, self.layers, self.top_k)
             routing = batch.routing if self.config.router_replay else None
             with router_replay.replay(self.model, routing):
-                parent_logp = reference_logp = None
-                whole = self.config.entropy_coef > 0  # the entropy needs the whole distribution
-                with torch.no_grad():
-                    if parent is not None:
-                        parent_logp = token_logprobs(self.model, batch, parent, whole)
-                    if self.config.kl_coef > 0:
-                        reference_logp = (parent_logp if reference is parent
-                                          else token_logprobs(self.model, batch, reference, whole))
-                # Last: the routing statistics read this pass.
-                if whole:
-                    vocab_logp = vocabulary_logprobs(self.model, batch)
-                    logp = vocab_logp.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
-                else:
-                    logp = token_logprobs(self.model, batch)
+                parent_logp, reference_logp, logp, vocab_logp = self.step_logprobs(batch, parent, reference)
             # A trajectory's advantage is credited to every one of its segments.
             row_advantages = advantages[idx][batch.sample_of_row] * share
             loss, step_stats = policy_gradient_loss(
@@ -360,6 +347,26 @@ class Trainer:
             # Samples that broke a step and were skipped: the service dead-letters them.
             "untrainable": {samples[i].sample_id: why for i, why in failed.items()},
         }
+
+    def step_logprobs(self, batch: Batch, parent: dict[str, torch.Tensor] | None,
+                      reference: dict[str, torch.Tensor] | None):
+        """(parent's, KL reference's, current) token logprobs of a step, and the current
+        policy over the whole vocabulary when the entropy term needs it (else None)."""
+        parent_logp = reference_logp = vocab_logp = None
+        whole = self.config.entropy_coef > 0
+        with torch.no_grad():
+            if parent is not None:
+                parent_logp = token_logprobs(self.model, batch, parent, whole)
+            if self.config.kl_coef > 0:
+                reference_logp = (parent_logp if reference is parent
+                                  else token_logprobs(self.model, batch, reference, whole))
+        # Last: the routing statistics read this pass.
+        if whole:
+            vocab_logp = vocabulary_logprobs(self.model, batch)
+            logp = vocab_logp.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
+        else:
+            logp = token_logprobs(self.model, batch)
+        return parent_logp, reference_logp, logp, vocab_logp
 
     def watch(self, samples: list[RewardedSample]) -> tuple[Batch | None, torch.Tensor | None]:
         """The samples the version's shift from its parent is measured on, and the parent
