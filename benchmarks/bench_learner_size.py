@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -66,19 +67,36 @@ def resident_bytes(device: str) -> int:
     return psutil.Process().memory_info().rss
 
 
+def trained_values(config, mode: str, rank: int) -> int:
+    """Values `mode` trains of a model of `config` (counted on the meta device)."""
+    with torch.device("meta"):
+        shell = AutoModelForCausalLM.from_config(config)
+    if mode == "lora-experts":  # peft's own count: its adapters on 3-D stacks have their own shape
+        return sum(p.numel() for p in with_adapters(shell, rank, 2 * rank, ATTENTION, experts=True).parameters()
+                   if p.requires_grad)
+    return {"full": sum(p.numel() for p in shell.parameters()),
+            "subset": sum(w.numel() for n, w in shell.named_parameters() if any(p in n for p in SUBSET)),
+            "lora": lora_params(shell, rank, ATTENTION)}[mode]
+
+
+def model_to_train(config, mode: str, rank: int, device: str) -> torch.nn.Module:
+    """The seeded model on `device`, its trained values marked (adapters for lora), routers replayable."""
+    lora = mode.startswith("lora")
+    model = random_model(config, seed=0, dtype=torch.bfloat16 if lora else torch.float32, device=device)
+    if lora:
+        model = with_adapters(model, rank, 2 * rank, ATTENTION, experts=mode == "lora-experts")
+    else:
+        for name, weight in model.named_parameters():
+            weight.requires_grad_(mode == "full" or any(p in name for p in SUBSET))
+    router_replay.install(model)
+    return model
+
+
 def measure(layers: int, experts: int, mode: str, args) -> dict:
     config = real_shape_config(layers, experts)
     total = parameter_count(config)
     row = {"layers": layers, "experts": experts, "params": total, "mode": mode, "device": args.device}
-    with torch.device("meta"):
-        shell = __import__("transformers").AutoModelForCausalLM.from_config(config)
-    if mode == "lora-experts":  # peft's own count: its adapters on 3-D stacks have their own shape
-        trainable = sum(p.numel() for p in with_adapters(shell, args.lora_rank, 2 * args.lora_rank, ATTENTION,
-                                                         experts=True).parameters() if p.requires_grad)
-    else:
-        trainable = {"full": total,
-                     "subset": sum(w.numel() for n, w in shell.named_parameters() if any(p in n for p in SUBSET)),
-                     "lora": lora_params(shell, args.lora_rank, ATTENTION)}[mode]
+    trainable = trained_values(config, mode, args.lora_rank)
     # The LoRA base stays bf16 here (its published rounding); full and subset keep fp32 masters.
     need = footprint(total, trainable, weight_bytes=2 if mode.startswith("lora") else 4).total
     row.update(trainable=trainable, estimated_gib=round(need / GIB, 2))
@@ -89,14 +107,7 @@ def measure(layers: int, experts: int, mode: str, args) -> dict:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     started = time.perf_counter()
-    model = random_model(config, seed=0, dtype=torch.bfloat16 if mode.startswith("lora") else torch.float32,
-                         device=args.device)
-    if mode.startswith("lora"):
-        model = with_adapters(model, args.lora_rank, 2 * args.lora_rank, ATTENTION, experts=mode == "lora-experts")
-    else:
-        for name, weight in model.named_parameters():
-            weight.requires_grad_(mode == "full" or any(p in name for p in SUBSET))
-    router_replay.install(model)
+    model = model_to_train(config, mode, args.lora_rank, args.device)
     row["build_s"] = round(time.perf_counter() - started, 2)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.Adam(params, lr=args.lr[mode])
