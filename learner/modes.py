@@ -36,8 +36,12 @@ def with_adapters(model: torch.nn.Module, rank: int, alpha: int, targets: list[s
     names = [n for n, _ in model.named_parameters()]
     wanted = ([ROUTER_WEIGHT] if router else []) + (EXPERT_STACKS if experts else [])
     parameters = [w for w in wanted if any(n.endswith(w) for n in names)]
-    return get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets,
-                                            target_parameters=parameters or None))
+    # A's random start from a fixed seed: every rank (FSDP shards what each one made) and
+    # every run from the same version starts from the same adapters.
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets,
+                                                target_parameters=parameters or None))
 
 
 def freeze(model: torch.nn.Module, frozen: list[str]) -> None:
@@ -69,13 +73,15 @@ def adapted_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return adapted or {n: w.detach() for n, w in model.named_parameters() if w.requires_grad}
 
 
-def published_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def published_state(model: torch.nn.Module, state: dict[str, torch.Tensor] | None = None,
+                    merged: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """The full checkpoint a version publishes (fp32; exported rounded to bf16): the model's
-    weights, adapters merged in."""
-    state = causal_lm(model).state_dict()
+    weights (or `state`, its whole state dict gathered from FSDP shards), adapters merged
+    in (`merged`: `adapted_weights` made while the shards were gathered)."""
+    state = causal_lm(model).state_dict() if state is None else state
     if not hasattr(model, "peft_config"):
         return state
-    merged = adapted_weights(model)
+    merged = adapted_weights(model) if merged is None else merged
     return {_base_name(n): merged.get(_base_name(n), t) for n, t in state.items() if ".lora_" not in n}
 
 

@@ -36,6 +36,7 @@ from kafka import (
 from prometheus_client import Counter, Gauge
 from pydantic import ValidationError
 
+from learner import distributed
 from learner.trainer import Trainer, problem
 from liverl.audit import AuditLog
 from liverl.contracts import DeadLetter, RewardedSample, Topics
@@ -119,19 +120,23 @@ class OpenGroup:
 
 
 class SeekToRecorded(ConsumerRebalanceListener):
-    """The registry, not the broker's commit, is the record of what was learned."""
+    """The registry, not the broker's commit, is the record of what was learned; `assigned`
+    is what the group gave this learner (on /health: a learner stopped in the middle of
+    joining holds the next one's join for up to max_poll_interval_ms)."""
 
     def __init__(self, consumer: KafkaConsumer, recorded: dict[str, int]):
         self.consumer = consumer
         self.recorded = recorded
+        self.assigned: set[str] = set()
 
     def on_partitions_assigned(self, assigned) -> None:
         for tp in assigned:
             if (key := f"{tp.topic}:{tp.partition}") in self.recorded:
                 self.consumer.seek(tp, self.recorded[key])
+        self.assigned = {f"{tp.topic}:{tp.partition}" for tp in assigned}
 
     def on_partitions_revoked(self, revoked) -> None:
-        pass
+        self.assigned = set()
 
 
 class Learner:
@@ -161,11 +166,13 @@ class Learner:
         self.flush_requested = threading.Event()
         self.paused = threading.Event()
         self.halted = threading.Event()  # set by the loop once it has seen `paused`: nothing in flight
+        self.assignment: SeekToRecorded | None = None  # the consumer's, once it runs
 
     def trainer_at(self, version: PolicyVersion) -> Trainer:
-        """A trainer from `version`'s weights, with its optimizer state where it was kept."""
+        """A trainer from `version`'s weights, with its optimizer state where it was kept
+        (on every rank: `learner/distributed.py`)."""
         state = self.state_dir / f"{version.version}.pt"
-        return Trainer(Path(version.model_dir), self.config, state if state.exists() else None)
+        return distributed.trainer(Path(version.model_dir), self.config, state if state.exists() else None)
 
     def rewind_if_asked(self) -> None:
         """Continue from the version the controller put back, if it asked since the last look."""
@@ -201,8 +208,8 @@ class Learner:
             auto_offset_reset="earliest", api_version=KAFKA_PYTHON_API_VERSION,
             max_poll_records=500, max_poll_interval_ms=3_600_000,
         )
-        consumer.subscribe([Topics.SAMPLES], listener=SeekToRecorded(
-            consumer, self.registry.offsets(self.cluster_id)))
+        self.assignment = SeekToRecorded(consumer, self.registry.offsets(self.cluster_id))
+        consumer.subscribe([Topics.SAMPLES], listener=self.assignment)
         return consumer
 
     def drop(self, reason: str) -> None:
@@ -342,10 +349,12 @@ class Learner:
 
     def learn(self, consumer: KafkaConsumer) -> PolicyVersion:
         chosen = self.take_groups()
-        batch = list(self.pending.values()) + [s for g in chosen for s in g.members.values()]
+        # In a fixed order: a version is a function of its parent and its samples, not of
+        # the order the partitions delivered them in.
+        batch = sorted(list(self.pending.values()) + [s for g in chosen for s in g.members.values()],
+                       key=lambda s: s.sample_id)
         train = [s for s in batch if not held_out(s, self.config.holdout_fraction)]
         self.holdout = (self.holdout + [s for s in batch if held_out(s, self.config.holdout_fraction)])[-512:]
-        parent_weights = self.trainer.snapshot()
         if self.config.kl_coef > 0 and self.config.kl_reference == "stable":
             self.trainer.use_reference(Path(self.registry.stable().model_dir))
         started = time.time()
@@ -368,7 +377,7 @@ class Learner:
             rewards = torch.tensor([s.reward for s in self.holdout])
             candidate_ratios = self.trainer.mean_log_ratios(self.holdout)
             candidate = snis(candidate_ratios, rewards, self.config.gate_clip)
-            parent = snis(self.parent_log_ratios(parent_weights), rewards, self.config.gate_clip)
+            parent = snis(self.parent_log_ratios(), rewards, self.config.gate_clip)
             verdict = offline_check(candidate, parent, self.config.gate_margin, self.config.gate_min_ess,
                                     self.kl_from_stable(staged), self.config.gate_max_kl)
             metrics["gate"] = verdict.model_dump()
@@ -406,7 +415,7 @@ class Learner:
                 state.unlink()
         return version
 
-    def parent_log_ratios(self, parent_weights: dict[str, torch.Tensor]) -> torch.Tensor:
+    def parent_log_ratios(self) -> torch.Tensor:
         """The held-out samples' mean log-ratios under the parent: those the parent's own
         gate computed, and the rest (held out since, or all after a rewind or restart)
         computed now, so each version's gate evaluates the parent on new samples only."""
@@ -414,7 +423,7 @@ class Learner:
         known = dict(known) if version == self.current.version else {}
         if missing := [s for s in self.holdout if s.event_id not in known]:
             known.update(zip((s.event_id for s in missing),
-                             self.trainer.mean_log_ratios(missing, parent_weights).tolist()))
+                             self.trainer.mean_log_ratios(missing, of_parent=True).tolist()))
         return torch.tensor([known[s.event_id] for s in self.holdout])
 
     def kl_from_stable(self, staged: Path) -> float | None:
@@ -476,6 +485,7 @@ def create_app(settings: Settings) -> tuple[FastAPI, Learner]:
     def health() -> dict:
         return {"ok": True, "version": learner.current.version, "pending": len(learner.pending),
                 "paused": learner.paused.is_set(), "dropped_since_last_version": dict(learner.dropped),
+                "partitions": sorted(learner.assignment.assigned) if learner.assignment else [],
                 # Groups still missing members: their offsets stay uncommitted (read again after a restart).
                 "open_groups": sum(not g.complete for g in learner.open_groups.values())}
 
@@ -510,5 +520,12 @@ def create_app(settings: Settings) -> tuple[FastAPI, Learner]:
 
 if __name__ == "__main__":
     settings = get_settings()
-    app, learner = create_app(settings)
-    serve_beside(app, settings.host, settings.ports.learner, learner.run)
+    distributed.run_on_ranks(settings.learner.ranks, "learner.service")
+    try:
+        if distributed.start() == 0:
+            app, learner = create_app(settings)
+            serve_beside(app, settings.host, settings.ports.learner, learner.run)
+        else:
+            distributed.follow()
+    finally:
+        distributed.finish()

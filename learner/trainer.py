@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import json
 import random
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,13 +18,18 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
 )
 from torch.distributed.fsdp import fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from learner import router_replay
+from learner.distributed import gathered, like, rank_and_world, resharded
 from learner.logprobs import causal_lm, chunked_token_logprobs
 from learner.modes import (
+    adapted_weights,
     available_memory,
     freeze,
     lora_params,
@@ -84,43 +90,48 @@ def collate(samples: list[RewardedSample], pad_id: int, layers: int, top_k: int)
                  torch.tensor([i for i, _ in rows]))
 
 
-def vocabulary_logprobs(model: torch.nn.Module, batch: Batch,
-                        weights: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
-    """log pi(. | x_<=j) over the vocabulary at every position, [B, T-1, V]; `weights`
-    overrides the model's."""
-    inputs = dict(input_ids=batch.input_ids, attention_mask=batch.attention)
-    if weights is None:
-        logits = model(**inputs).logits.float()
-    else:
-        logits = torch.func.functional_call(model, weights, args=(), kwargs=inputs).logits.float()
+def vocabulary_logprobs(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+    """log pi(. | x_<=j) over the vocabulary at every position, [B, T-1, V]."""
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention).logits.float()
     return torch.log_softmax(logits[:, :-1], dim=-1)
 
 
 def token_logprobs(model: torch.nn.Module, batch: Batch, weights: dict[str, torch.Tensor] | None = None,
                    whole_vocabulary: bool = False) -> torch.Tensor:
-    """log pi(x_{j+1} | x_<=j) for every position, [B, T-1]; `weights` overrides the model's.
-    The vocabulary's logits are made a chunk of positions at a time (learner/logprobs.py),
-    or all at once with `whole_vocabulary` (for an entropy term: every logprob the step
-    compares then comes from the same computation, so equal weights give equal numbers).
-    Under FSDP the whole model's forward runs (its hooks gather the sharded embeddings and
-    output layer), so the logits are made at once there too."""
-    if whole_vocabulary or data_parallel()[1] > 1:
-        return vocabulary_logprobs(model, batch, weights).gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
-    if weights is None:
+    """log pi(x_{j+1} | x_<=j) for every position, [B, T-1]; `weights` (by parameter name)
+    in place of the model's own. The vocabulary's logits are made a chunk of positions at a
+    time (learner/logprobs.py), or all at once with `whole_vocabulary` (for an entropy term:
+    every logprob the step compares then comes from the same computation, so equal weights
+    give equal numbers). Under FSDP the whole model's forward runs (its hooks gather the
+    sharded embeddings and output layer), so the logits are made at once there too."""
+    with swapped_in(model, weights):
+        if whole_vocabulary or rank_and_world()[1] > 1:
+            return vocabulary_logprobs(model, batch).gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
         return chunked_token_logprobs(model, batch.input_ids, batch.attention)
-    return torch.func.functional_call(TokenLogprobs(model), {f"model.{k}": v for k, v in weights.items()},
-                                      args=(batch.input_ids, batch.attention))
 
 
-class TokenLogprobs(torch.nn.Module):
-    """`chunked_token_logprobs` as a module's forward, so functional_call can swap weights in."""
-
-    def __init__(self, model: torch.nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
-        return chunked_token_logprobs(self.model, input_ids, attention)
+@contextmanager
+def swapped_in(model: torch.nn.Module, weights: dict[str, torch.Tensor] | None) -> Iterator[None]:
+    """The model computing with `weights` (by its parameter names) instead of its own inside
+    the block, no gradient through them. They are copied into the parameters and the
+    originals back after, as FSDP gathers each forward's weights from the shards it keeps
+    (torch.func.functional_call would not reach them)."""
+    if not weights:
+        yield
+        return
+    resharded(model)
+    parameters = dict(model.named_parameters())
+    with torch.no_grad():
+        own = {name: parameters[name].detach().clone() for name in weights}
+        for name, weight in weights.items():
+            parameters[name].copy_(weight)
+    try:
+        yield
+    finally:
+        resharded(model)
+        with torch.no_grad():
+            for name, weight in own.items():
+                parameters[name].copy_(weight)
 
 
 def problem(sample: RewardedSample, arch: Architecture) -> str | None:
@@ -155,13 +166,6 @@ def refuse_what_cannot_fit(model_dir: Path, config: LearnerConfig) -> None:
         raise ValueError(why)
 
 
-def data_parallel() -> tuple[int, int]:
-    """(rank, world size) under torchrun, else (0, 1)."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
 class Trainer:
     def __init__(self, model_dir: Path, config: LearnerConfig, state: Path | None = None):
         torch.set_num_threads(config.threads)
@@ -175,13 +179,8 @@ class Trainer:
         else:
             freeze(self.model, config.frozen_parameters)
         router_replay.install(self.model)
-        self.rank, self.world = data_parallel()
+        self.rank, self.world = rank_and_world()
         if self.world > 1:
-            if (state is not None or config.kl_coef > 0 or config.objective != "reinforce"
-                    or config.target_kl is not None or config.lora is not None):
-                raise ValueError("under torchrun the learner starts from a published version "
-                                 "(no saved optimizer state), without a KL reference or a proximal "
-                                 "policy (objective reinforce), at a fixed lr (no target_kl), full weights (no lora)")
             # FSDP2: each decoder layer's weights, grads and Adam state are split over
             # the ranks and gathered only for that layer's forward and backward.
             for layer in causal_lm(self.model).model.layers:
@@ -191,31 +190,46 @@ class Trainer:
         self.optimizer = torch.optim.Adam(self.trainable, lr=config.lr)
         self.baseline = RunningBaseline()
         if state is not None:
-            saved = torch.load(state, weights_only=True)  # never unpickle arbitrary objects
-            trained_names = {n for n, p in self.model.named_parameters() if p.requires_grad}
-            if missing := trained_names - set(saved["model"]):
-                raise ValueError(f"{state}: it holds no {sorted(missing)[:3]} ({len(missing)} trained weights "
-                                 f"missing: was LIVERL_LEARNER__LORA or __FROZEN_PARAMETERS changed?)")
-            self.model.load_state_dict(saved["model"], strict=False)
-            try:
-                self.optimizer.load_state_dict(saved["optimizer"])
-            except ValueError as error:  # Adam's state is per trained tensor
-                raise ValueError(f"{state}: its optimizer state was saved for other trained tensors "
-                                 f"(was LIVERL_LEARNER__FROZEN_PARAMETERS changed?): {error}") from error
-            self.baseline.means = saved["baseline"]
-            # Adam's saved state carries the lr it last used: a fixed lr is the setting's (so a
-            # changed setting takes effect), an adapted one goes on from where it was.
-            self.lr = config.lr if config.target_kl is None else min(max(self.lr, config.lr_min), config.lr_max)
+            self.load_state(state)
         self.arch = Architecture.of(causal_lm(self.model).config)
         self.layers, self.top_k = self.arch.layers, self.arch.top_k
-        self.reference: dict[str, torch.Tensor] | None = None  # kl_reference=stable: its weights
+        self.parent: dict[str, torch.Tensor] | None = None  # the trained weights before the last version
+        self.reference: dict[str, torch.Tensor] | None = None  # kl_reference=stable: its trained weights
         self.reference_dir: Path | None = None
 
+    def trained_names(self) -> list[str]:
+        return [n for n, p in self.model.named_parameters() if p.requires_grad]
+
+    def load_state(self, state: Path) -> None:
+        """Go on from `save_state`'s file, whatever number of ranks wrote it (each rank takes
+        its shards of the whole tensors)."""
+        saved = torch.load(state, weights_only=True)  # never unpickle arbitrary objects
+        if missing := set(self.trained_names()) - set(saved["model"]):
+            raise ValueError(f"{state}: it holds no {sorted(missing)[:3]} ({len(missing)} trained weights "
+                             f"missing: was LIVERL_LEARNER__LORA or __FROZEN_PARAMETERS changed?)")
+        whole = StateDictOptions(full_state_dict=True, strict=False)
+        set_model_state_dict(self.model, saved["model"], options=whole)
+        try:
+            set_optimizer_state_dict(self.model, self.optimizer, saved["optimizer"], options=whole)
+        except (KeyError, ValueError, RuntimeError) as error:  # Adam's state is per trained tensor
+            raise ValueError(f"{state}: its optimizer state was saved for other trained tensors "
+                             f"(was LIVERL_LEARNER__FROZEN_PARAMETERS changed?): {error!r}") from error
+        self.baseline.means = saved["baseline"]
+        # Adam's saved state carries the lr it last used: a fixed lr is the setting's (so a
+        # changed setting takes effect), an adapted one goes on from where it was.
+        config = self.config
+        self.lr = config.lr if config.target_kl is None else min(max(self.lr, config.lr_min), config.lr_max)
+
     def use_reference(self, model_dir: Path) -> None:
-        """The stable version's weights as the KL's reference (`kl_reference=stable`)."""
-        if model_dir != self.reference_dir:
-            reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-            self.reference, self.reference_dir = reference.state_dict(), model_dir
+        """The stable version's trained weights as the KL's reference (`kl_reference=stable`;
+        the frozen ones are the same in every version), each rank keeping its shards. Loaded
+        whole (transformers maps the checkpoint's layout to the model's), kept in part."""
+        if model_dir == self.reference_dir:
+            return
+        stable = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
+        trained = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+        self.reference = {n: like(p, stable[n]) for n, p in trained.items()}
+        self.reference_dir = model_dir
 
     @property
     def lr(self) -> float:
@@ -257,12 +271,12 @@ class Trainer:
         abs_diff: list[torch.Tensor] = []
         mismatched, replayed_mismatched, routed = 0.0, 0.0, 0
         rng = random.Random(seed)
-        # The parent: the proximal policy of a trust region around it, and the KL's reference
-        # unless that is stable (kept by the service: `use_reference`).
+        # The parent: the proximal policy of a trust region around it, the KL's reference
+        # unless that is stable (kept by the service: `use_reference`), and the gate's baseline.
         around_parent = self.config.objective != "reinforce" and self.config.proximal == "parent"
-        to_parent = self.config.kl_coef > 0 and self.config.kl_reference == "parent"
-        parent = self.snapshot() if to_parent or around_parent else None
-        reference = parent if self.config.kl_reference == "parent" else self.reference
+        self.parent = self.snapshot()
+        parent = self.parent if around_parent or self.config.kl_reference == "parent" else None
+        reference = self.parent if self.config.kl_reference == "parent" else self.reference
         if self.config.kl_coef > 0 and reference is None:
             raise ValueError("kl_reference=stable: no reference weights (Trainer.use_reference)")
         failed: dict[int, str] = {}  # sample index -> why it could not be trained on
@@ -369,11 +383,11 @@ class Trainer:
         return parent_logp, reference_logp, logp, vocab_logp
 
     def watch(self, samples: list[RewardedSample]) -> tuple[Batch | None, torch.Tensor | None]:
-        """The samples the version's shift from its parent is measured on, and the parent
-        over the vocabulary there; (None, None) under torchrun (the ranks would have to
-        agree on them) or if they cannot be run (the training loop deals with the culprit)."""
+        """The samples the version's shift from its parent is measured on (every rank the
+        same), and the parent over the vocabulary there; (None, None) if they cannot be run
+        (the training loop deals with the culprit)."""
         fit = [s for s in samples if problem(s, self.arch) is None]
-        if self.world > 1 or not fit:
+        if not fit:
             return None, None
         try:
             batch = collate(fit, self.tokenizer.pad_token_id, self.layers, self.top_k)
@@ -418,11 +432,11 @@ class Trainer:
         # the gradient of the whole minibatch's token mean, as on one rank.
         return mine, share, tokens.clamp(min=1) / self.world
 
-    def mean_log_ratios(self, samples: list[RewardedSample],
-                        weights: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+    def mean_log_ratios(self, samples: list[RewardedSample], of_parent: bool = False) -> torch.Tensor:
         """Per sample, mean over the tokens the policy wrote (all its segments) of
-        log pi - log mu, under `weights` (default: the current ones) - what the offline gate
-        weighs held-out samples by."""
+        log pi - log mu, under the current weights or (`of_parent`) those before the last
+        `train` - what the offline gate weighs held-out samples by."""
+        weights = self.parent if of_parent else None
         self.model.eval()
         out = []
         with torch.no_grad():
@@ -439,24 +453,31 @@ class Trainer:
 
     def snapshot(self) -> dict[str, torch.Tensor]:
         """The weights training changes (all of them in full mode, the rest of a subset
-        frozen, only the adapters under LoRA): the parent, for the trust region, the KL and
-        the gate, without a copy of what does not move."""
+        frozen, only the adapters under LoRA; this rank's shards under FSDP): the parent,
+        for the trust region, the KL and the gate, without a copy of what does not move."""
+        resharded(self.model)
         return {k: v.detach().clone() for k, v in self.model.named_parameters() if v.requires_grad}
 
     def master_state(self) -> dict[str, torch.Tensor]:
-        """The full fp32 weights a version publishes, adapters merged (gathered to rank 0
-        under FSDP; other ranks get {})."""
+        """The full fp32 weights a version publishes, adapters merged (a collective under
+        FSDP: gathered to rank 0, the other ranks get {})."""
         if self.world == 1:
             return published_state(self.model)
-        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        whole = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if not hasattr(self.model, "peft_config"):
+            return whole
+        with gathered(self.model):  # each adapter merged from its whole A and B
+            merged = adapted_weights(self.model)
+        return {} if self.rank else published_state(self.model, whole, merged)
 
-    def export(self, out_dir: Path, master: dict[str, torch.Tensor] | None = None) -> None:
+    def export(self, out_dir: Path) -> dict[str, torch.Tensor]:
         """Write the bf16 rounding of the master weights as an HF model, plus its probe
-        (computed here, on the loaded model with the published values swapped in).
-
-        Under FSDP, pass the `master_state()` every rank gathered; only rank 0 exports.
-        """
-        master = self.master_state() if master is None else master
+        (computed on the loaded model with the published values swapped in; under FSDP, on
+        a load of the export), and return the master weights. A collective under FSDP:
+        every rank calls it, rank 0 writes and returns them, the others get {}."""
+        master = self.master_state()
+        if self.rank:
+            return master
         out_dir.mkdir(parents=True, exist_ok=True)
         lm = causal_lm(self.model)
         lm.config.dtype = torch.bfloat16
@@ -465,6 +486,7 @@ class Trainer:
         self.tokenizer.save_pretrained(out_dir)
         probe = probe_logprobs(out_dir, self.tokenizer, self.published_forward() if self.world == 1 else None)
         (out_dir / PROBE_FILE).write_text(json.dumps(probe))
+        return master
 
     def published_forward(self):
         """logits(input_ids) as a replica serving the export computes them (fp32 from the bf16
@@ -487,8 +509,14 @@ class Trainer:
 
     def save_state(self, path: Path) -> None:
         """The trained weights' fp32 masters (the rest is the version's checkpoint), Adam's
-        state and the running baselines."""
+        state and the running baselines, as whole tensors by name: any number of ranks
+        goes on from it (`load_state`). A collective under FSDP; rank 0 writes."""
+        whole = StateDictOptions(full_state_dict=True, cpu_offload=self.world > 1)
+        trained = set(self.trained_names())
+        model = {k: v for k, v in get_model_state_dict(self.model, options=whole).items() if k in trained}
+        optimizer = get_optimizer_state_dict(self.model, self.optimizer, options=whole)
+        if self.rank:
+            return
         tmp = path.with_suffix(".tmp")
-        torch.save({"model": self.snapshot(), "optimizer": self.optimizer.state_dict(),
-                    "baseline": self.baseline.means}, tmp)
+        torch.save({"model": model, "optimizer": optimizer, "baseline": self.baseline.means}, tmp)
         tmp.replace(path)

@@ -286,6 +286,9 @@ class LearnerConfig(Config):
         if self.min_samples > self.batch_samples:
             raise ValueError(f"LIVERL_LEARNER__MIN_SAMPLES ({self.min_samples}) must not exceed "
                              f"LIVERL_LEARNER__BATCH_SAMPLES ({self.batch_samples})")
+        if self.lora is not None and self.kl_coef > 0 and self.kl_reference == "stable":
+            raise ValueError("LIVERL_LEARNER__LORA trains adapters the stable version does not have: "
+                             "its KL reference is each version's parent (LIVERL_LEARNER__KL_REFERENCE=parent)")
         if self.lora is not None and self.frozen_parameters:
             raise ValueError("LIVERL_LEARNER__LORA trains adapters on a frozen base: "
                              "LIVERL_LEARNER__FROZEN_PARAMETERS has nothing to freeze beside it")
@@ -372,7 +375,9 @@ class LearnerConfig(Config):
                                       "candidate) on held-out logged samples; None: measured, not enforced.")
     gate_kl_samples: int = Field(32, ge=0, description="Newest held-out samples the KL from stable is measured "
                                  "on (0: not measured).")
-    threads: int = Field(1, ge=1, description="torch CPU threads of the learner.")
+    threads: int = Field(1, ge=1, description="torch CPU threads of the learner (of each rank).")
+    ranks: int = Field(1, ge=1, description="Processes the learner trains on (torchrun, FSDP2 over gloo): "
+                       "weights, gradients and Adam state split between them, rank 0 consuming; 1: one process.")
     probe_tolerance: float = Field(
         1e-4, gt=0.0, description="Max |replica - trainer| logprob on the probe set after a swap."
     )

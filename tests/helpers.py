@@ -65,6 +65,13 @@ def learner_health(settings) -> dict | None:
         return None
 
 
+def learner_consuming(settings) -> dict | None:
+    """The learner's /health once the consumer group has given it partitions: a learner
+    stopped in the middle of joining would hold its successor's join for an hour."""
+    health = learner_health(settings)
+    return health if health and health["partitions"] else None
+
+
 def controller_idle(settings) -> bool:
     """No promotion in flight: the controller has no canary and nothing to take. Its
     /health tells what it did at its last poll; a candidate the learner published since

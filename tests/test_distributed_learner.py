@@ -1,13 +1,16 @@
-"""The learner's step under torchrun with FSDP2 (gloo): 2 ranks learn what 1 rank learns."""
+"""The learner's step under torchrun with FSDP2 (gloo): 2 ranks learn what 1 rank learns,
+in every mode and with every term of the objective."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -42,26 +45,36 @@ def sampled(starter_dir: Path, count: int = 12) -> list[RewardedSample]:
     return samples
 
 
-def train(ranks: int, starter_dir: Path, samples: Path, out: Path) -> dict[str, torch.Tensor]:
-    env = dict(os.environ, LIVERL_LEARNER__LR="1e-3", LIVERL_LEARNER__MINIBATCH="5", LIVERL_LEARNER__EPOCHS="2",
-               OMP_NUM_THREADS="1")
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-                    "--master-port", str(29500 + ranks), "-m", "learner.distributed",
-                    str(starter_dir), str(samples), str(out)], env=env, check=True, timeout=600)
+# Every objective term the learner has, on: a trust region around the parent, a KL to it,
+# the step size adapted to the KL; and LoRA through peft as well as full weights.
+SETTINGS = {"LIVERL_LEARNER__LR": "1e-3", "LIVERL_LEARNER__MINIBATCH": "5", "LIVERL_LEARNER__EPOCHS": "2",
+            "LIVERL_LEARNER__OBJECTIVE": "ppo", "LIVERL_LEARNER__KL_COEF": "0.05",
+            "LIVERL_LEARNER__TARGET_KL": "0.01", "OMP_NUM_THREADS": "1"}
+LORA = {"LIVERL_LEARNER__LORA__RANK": "4", "LIVERL_LEARNER__LORA__ALPHA": "8"}
+
+
+def train(ranks: int, starter_dir: Path, samples: Path, out: Path, env: dict[str, str]) -> dict[str, torch.Tensor]:
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+                    "-m", "learner.distributed", str(starter_dir), str(samples), str(out)],
+                   env=dict(os.environ, **SETTINGS, **env), check=True, timeout=600)
     return load_file(out / MASTER_FILE)
 
 
-def test_two_fsdp_ranks_learn_the_same_weights_as_one(starter_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["full", "lora"])
+def test_two_fsdp_ranks_learn_the_same_weights_as_one(starter_dir: Path, tmp_path: Path, mode: str) -> None:
     samples = tmp_path / "samples.jsonl"
     samples.write_text("\n".join(s.model_dump_json() for s in sampled(starter_dir)))
-    one = train(1, starter_dir, samples, tmp_path / "one")
-    two = train(2, starter_dir, samples, tmp_path / "two")
+    env = LORA if mode == "lora" else {}
+    one = train(1, starter_dir, samples, tmp_path / "one", env)
+    two = train(2, starter_dir, samples, tmp_path / "two", env)
     start = AutoModelForCausalLM.from_pretrained(starter_dir, dtype=torch.float32).state_dict()
-    assert one.keys() == two.keys()
+    assert one.keys() == two.keys() == start.keys()  # the published checkpoint: adapters merged
     moved = torch.cat([(one[k] - start[k]).flatten() for k in one]).norm()
     differ = torch.cat([(one[k] - two[k]).flatten() for k in one]).norm()
     assert moved > 0  # the step learned something...
     # ...and 2 ranks took the same step up to float reduction order (Adam can amplify a
     # last-bit difference in a near-zero gradient by at most lr per element and step).
     assert differ / moved < 1e-3, f"|2 ranks - 1 rank| / |update| = {differ / moved:.2e}"
+    metrics = json.loads((tmp_path / "two" / "metrics.json").read_text())
+    assert metrics["kl_from_parent"] > 0  # the shift from the parent is measured on every rank count
     assert (tmp_path / "two" / "config.json").exists() and (tmp_path / "two" / "liverl_probe.json").exists()

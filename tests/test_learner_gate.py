@@ -23,19 +23,19 @@ def test_the_parent_half_of_the_gate_is_reused_and_equal_to_a_fresh_one(starter_
     # v1's gate computed these when v1 was the candidate; v2 trains on top of it.
     learner.holdout_ratios = ("v1", {s.event_id: r for s, r in
                                      zip(learner.holdout, learner.trainer.mean_log_ratios(learner.holdout).tolist())})
-    parent = learner.trainer.snapshot()
     learner.trainer.train(samples[8:], seed=0)
     learner.holdout = samples[:10]  # two held out since
 
     calls = []
-    fresh = learner.trainer.mean_log_ratios(learner.holdout, parent)
+    fresh = learner.trainer.mean_log_ratios(learner.holdout, of_parent=True)
+    assert not torch.allclose(fresh, learner.trainer.mean_log_ratios(learner.holdout))  # v2 moved
     original = learner.trainer.mean_log_ratios
-    learner.trainer.mean_log_ratios = lambda held, weights=None: calls.append(len(held)) or original(held, weights)
-    reused = learner.parent_log_ratios(parent)
+    learner.trainer.mean_log_ratios = lambda held, of_parent=False: calls.append(len(held)) or original(held, of_parent)
+    reused = learner.parent_log_ratios()
     assert calls == [2]  # only the two new samples went through the model
     assert torch.allclose(reused, fresh, atol=1e-5)
 
     learner.current = SimpleNamespace(version="v0")  # a rewind: the kept figures are another version's
     calls.clear()
-    assert torch.allclose(learner.parent_log_ratios(parent), fresh, atol=1e-5)
+    assert torch.allclose(learner.parent_log_ratios(), fresh, atol=1e-5)
     assert calls == [10]
