@@ -10,7 +10,7 @@ import json
 import random
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -166,6 +166,42 @@ def refuse_what_cannot_fit(model_dir: Path, config: LearnerConfig) -> None:
         raise ValueError(why)
 
 
+@dataclass
+class StepStats:
+    """What one gradient step measured."""
+
+    objective: dict[str, float] = field(default_factory=dict)  # loss, mean_is_weight, clipped_fraction
+    grad_norm: float | None = None
+    logprob_gap: torch.Tensor | None = None  # |learner - behaviour| per written token (first epoch)
+    routed: int = 0                          # tokens whose served experts were recorded
+    recomputed_mismatch: float = 0.0         # share of them the learner's own top-k routes elsewhere
+    replayed_mismatch: float = 0.0           # share the training pass routed elsewhere (0 with replay)
+
+
+def summarise(steps: list[StepStats], router_replay_on: bool) -> dict:
+    """A version's metrics from its steps' (means over steps, token-weighted mismatches)."""
+    gaps = [s.logprob_gap for s in steps if s.logprob_gap is not None]
+    gap = torch.cat(gaps) if gaps else torch.zeros(1)
+    routed = sum(s.routed for s in steps)
+    objective = {k: sum(s.objective[k] for s in steps) / len(steps) for k in (steps[0].objective if steps else {})}
+    grad_norms = [s.grad_norm for s in steps]
+    return {
+        "tokens": int(gap.numel()),
+        **objective,
+        **({"grad_norm": sum(grad_norms) / len(grad_norms)} if grad_norms else {}),
+        "grad_norm_max": max(grad_norms, default=None),
+        "logprob_mismatch_mean": gap.mean().item(),
+        "logprob_mismatch_max": gap.max().item(),
+        # Recomputed top-k vs served (what training would use without replay)...
+        "routing_mismatch_fraction": (sum(s.recomputed_mismatch * s.routed for s in steps) / routed
+                                      if routed else None),
+        # ...and the experts the training pass actually ran vs served (0 with replay).
+        "trained_routing_mismatch_fraction": (sum(s.replayed_mismatch * s.routed for s in steps) / routed
+                                              if routed else None),
+        "router_replay": bool(routed) and router_replay_on,
+    }
+
+
 class Trainer:
     def __init__(self, model_dir: Path, config: LearnerConfig, state: Path | None = None):
         torch.set_num_threads(config.threads)
@@ -266,101 +302,93 @@ class Trainer:
         """One version's worth of updates on `samples`; returns its metrics."""
         self.model.train()
         advantages = self.advantages(samples)
-        order = list(range(len(samples)))
-        stats: dict[str, list[float]] = {"loss": [], "mean_is_weight": [], "clipped_fraction": [], "grad_norm": []}
-        abs_diff: list[torch.Tensor] = []
-        mismatched, replayed_mismatched, routed = 0.0, 0.0, 0
-        rng = random.Random(seed)
         # The parent: the proximal policy of a trust region around it, the KL's reference
         # unless that is stable (kept by the service: `use_reference`), and the gate's baseline.
-        around_parent = self.config.objective != "reinforce" and self.config.proximal == "parent"
         self.parent = self.snapshot()
-        parent = self.parent if around_parent or self.config.kl_reference == "parent" else None
+        kl_to_parent = self.config.kl_coef > 0 and self.config.kl_reference == "parent"
+        parent = self.parent if self.around_parent or kl_to_parent else None
         reference = self.parent if self.config.kl_reference == "parent" else self.reference
         if self.config.kl_coef > 0 and reference is None:
             raise ValueError("kl_reference=stable: no reference weights (Trainer.use_reference)")
-        failed: dict[int, str] = {}  # sample index -> why it could not be trained on
         # The first minibatch's samples, to see how far the version moves from its parent.
         watched, parent_watch = self.watch(samples[: self.config.minibatch])
-
-        def update(step: list[int], epoch: int) -> None:
-            nonlocal mismatched, replayed_mismatched, routed
-            idx, share, normalizer = self.shard(step, samples)
-            batch = collate([samples[i] for i in idx], self.tokenizer.pad_token_id, self.layers, self.top_k)
-            routing = batch.routing if self.config.router_replay else None
-            with router_replay.replay(self.model, routing):
-                parent_logp, reference_logp, logp, vocab_logp = self.step_logprobs(batch, parent, reference)
-            # A trajectory's advantage is credited to every one of its segments.
-            row_advantages = advantages[idx][batch.sample_of_row] * share
-            loss, step_stats = policy_gradient_loss(
-                logp, batch.behaviour_logp, row_advantages, batch.completion_mask,
-                objective=self.config.objective,
-                proximal_logp=parent_logp if around_parent else batch.behaviour_logp,
-                clip_low=self.config.clip_low, clip_high=self.config.clip_high,
-                is_mode=self.config.is_mode, is_threshold=self.config.is_threshold,
-                reference_logp=reference_logp, kl_coef=self.config.kl_coef, normalizer=normalizer,
-            )
-            if self.config.entropy_coef > 0:
-                loss = loss - self.config.entropy_coef * entropy_bonus(vocab_logp, batch.completion_mask, normalizer)
-            self.optimizer.zero_grad()
-            loss.backward()  # the last line that can fail: nothing below changes the weights
-            if epoch == 0:  # train/inference mismatch, before this batch moves the weights
-                abs_diff.append(((logp.detach() - batch.behaviour_logp).abs())[batch.completion_mask.bool()])
-                if batch.routing is not None:
-                    n = int((batch.routing >= 0).all(-1).sum())
-                    mismatched += router_replay.routing_mismatch(
-                        router_replay.recomputed_routing(self.model), batch.routing, batch.attention) * n
-                    replayed_mismatched += router_replay.routing_mismatch(
-                        router_replay.used_routing(self.model), batch.routing, batch.attention) * n
-                    routed += n
-            stats["grad_norm"].append(float(torch.nn.utils.clip_grad_norm_(self.trainable, 1.0)))
-            self.optimizer.step()
-            for k, v in step_stats.items():
-                stats[k].append(v)
-
+        steps: list[StepStats] = []
+        failed: dict[int, str] = {}  # sample index -> why it could not be trained on
+        order, rng = list(range(len(samples))), random.Random(seed)
         for epoch in range(self.config.epochs):
             rng.shuffle(order)
-            for step in version_minibatches(order, self.config.minibatch, self.config.max_steps_per_version):
-                step = [i for i in step if i not in failed]
-                if not step:
-                    continue
-                try:
-                    update(step, epoch)
-                except Exception:  # anything a sample the checks let through makes torch raise
-                    if self.world > 1:
-                        raise  # one rank cannot drop a step the others take
-                    # A poison pill, not a stop: find it by trying each sample alone, then
-                    # take the step on the others.
-                    failed |= {i: why for i in step if (why := self.trial(samples, i))}
-                    if good := [i for i in step if i not in failed]:
-                        update(good, epoch)
-        diffs = torch.cat(abs_diff) if abs_diff else torch.zeros(1)
-        rewards = [s.reward for s in samples]
+            for minibatch in version_minibatches(order, self.config.minibatch, self.config.max_steps_per_version):
+                if minibatch := [i for i in minibatch if i not in failed]:
+                    steps += self.step_or_skip(samples, advantages, minibatch, epoch, parent, reference, failed)
         shift = {} if watched is None else policy_shift(parent_watch, self.vocabulary(watched),
                                                         watched.completion_mask)
         lr = self.lr
         if self.config.target_kl is not None and "kl_from_parent" in shift:
             self.lr = adapted_lr(lr, shift["kl_from_parent"], self.config.target_kl,
                                  self.config.lr_min, self.config.lr_max)
-        return {
-            "samples": len(samples),
-            "lr": lr,
-            "tokens": int(diffs.numel()),
-            "mean_reward": sum(rewards) / len(rewards),
-            **{k: sum(v) / len(v) for k, v in stats.items() if v},
-            "grad_norm_max": max(stats["grad_norm"], default=None),
-            **advantage_stats(advantages),
-            **shift,
-            "logprob_mismatch_mean": diffs.mean().item(),
-            "logprob_mismatch_max": diffs.max().item(),
-            # Recomputed top-k vs served (what training would use without replay)...
-            "routing_mismatch_fraction": mismatched / routed if routed else None,
-            # ...and the experts the training pass actually ran vs served (0 with replay).
-            "trained_routing_mismatch_fraction": replayed_mismatched / routed if routed else None,
-            "router_replay": bool(routed) and self.config.router_replay,
-            # Samples that broke a step and were skipped: the service dead-letters them.
-            "untrainable": {samples[i].sample_id: why for i, why in failed.items()},
-        }
+        return {"samples": len(samples), "lr": lr, "mean_reward": sum(s.reward for s in samples) / len(samples),
+                **summarise(steps, self.config.router_replay), **advantage_stats(advantages), **shift,
+                # Samples that broke a step and were skipped: the service dead-letters them.
+                "untrainable": {samples[i].sample_id: why for i, why in failed.items()}}
+
+    @property
+    def around_parent(self) -> bool:
+        """The objective's trust region is centred on the version's parent."""
+        return self.config.objective != "reinforce" and self.config.proximal == "parent"
+
+    def step_or_skip(self, samples: list[RewardedSample], advantages: torch.Tensor, minibatch: list[int],
+                     epoch: int, parent: dict | None, reference: dict | None,
+                     failed: dict[int, str]) -> list[StepStats]:
+        """The step on `minibatch`; if torch raises on it, a poison pill, not a stop: find the
+        culprits by trying each sample alone (into `failed`), then step on the others."""
+        try:
+            return [self.step(samples, advantages, minibatch, epoch, parent, reference)]
+        except Exception:  # anything a sample the checks let through makes torch raise
+            if self.world > 1:
+                raise  # one rank cannot drop a step the others take
+            failed |= {i: why for i in minibatch if (why := self.trial(samples, i))}
+            good = [i for i in minibatch if i not in failed]
+            return [self.step(samples, advantages, good, epoch, parent, reference)] if good else []
+
+    def step(self, samples: list[RewardedSample], advantages: torch.Tensor, minibatch: list[int], epoch: int,
+             parent: dict[str, torch.Tensor] | None, reference: dict[str, torch.Tensor] | None) -> StepStats:
+        """One gradient step on this rank's part of `minibatch`; returns what it measured."""
+        idx, share, normalizer = self.shard(minibatch, samples)
+        batch = collate([samples[i] for i in idx], self.tokenizer.pad_token_id, self.layers, self.top_k)
+        with router_replay.replay(self.model, batch.routing if self.config.router_replay else None):
+            parent_logp, reference_logp, logp, vocab_logp = self.step_logprobs(batch, parent, reference)
+        # A trajectory's advantage is credited to every one of its segments.
+        row_advantages = advantages[idx][batch.sample_of_row] * share
+        loss, objective = policy_gradient_loss(
+            logp, batch.behaviour_logp, row_advantages, batch.completion_mask,
+            objective=self.config.objective,
+            proximal_logp=parent_logp if self.around_parent else batch.behaviour_logp,
+            clip_low=self.config.clip_low, clip_high=self.config.clip_high,
+            is_mode=self.config.is_mode, is_threshold=self.config.is_threshold,
+            reference_logp=reference_logp, kl_coef=self.config.kl_coef, normalizer=normalizer,
+        )
+        if self.config.entropy_coef > 0:
+            loss = loss - self.config.entropy_coef * entropy_bonus(vocab_logp, batch.completion_mask, normalizer)
+        self.optimizer.zero_grad()
+        loss.backward()  # the last line that can fail: nothing below changes the weights
+        # Train/inference mismatch, read in the first epoch, before this batch moves the weights.
+        stats = self.mismatch(batch, logp) if epoch == 0 else StepStats()
+        stats.objective = objective
+        stats.grad_norm = float(torch.nn.utils.clip_grad_norm_(self.trainable, 1.0))
+        self.optimizer.step()
+        return stats
+
+    def mismatch(self, batch: Batch, logp: torch.Tensor) -> StepStats:
+        """How far the learner's pass was from what served `batch`: the logprob of each written
+        token, and where routing was recorded, the share routed elsewhere."""
+        stats = StepStats(logprob_gap=(logp.detach() - batch.behaviour_logp).abs()[batch.completion_mask.bool()])
+        if batch.routing is not None:
+            stats.routed = int((batch.routing >= 0).all(-1).sum())
+            stats.recomputed_mismatch = router_replay.routing_mismatch(
+                router_replay.recomputed_routing(self.model), batch.routing, batch.attention)
+            stats.replayed_mismatch = router_replay.routing_mismatch(
+                router_replay.used_routing(self.model), batch.routing, batch.attention)
+        return stats
 
     def step_logprobs(self, batch: Batch, parent: dict[str, torch.Tensor] | None,
                       reference: dict[str, torch.Tensor] | None):
