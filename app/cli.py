@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from datetime import datetime, timezone
 from enum import Enum
 from pathlib import Path
@@ -302,6 +303,25 @@ def policy_real_shape(
     with console.status(f"building {params / 1e9:.2f}B parameters ({params * 2 / 1e9:.1f} GB in bf16)"):
         build_real_shape(out_dir, Path(tokenizer_dir), layers=layers, experts=experts, seed=seed)
     console.print(f"{out_dir}: Qwen3-30B-A3B shape, {layers} layer(s) of {experts} experts, {params / 1e9:.2f}B parameters")
+
+
+@policy_app.command("build-starter")
+def policy_build_starter(
+    seed: int = typer.Option(0, help="Seed of the recipe: 0 is the starter shipped in policies/starter_model."),
+    out: Optional[Path] = typer.Option(None, help="Where to write it (default: policies/starter_model for "
+                                       "seed 0, else the starter cache, LIVERL_STARTER__CACHE_DIR)."),
+) -> None:
+    """Build the starter policy from its recipe (about 10 minutes on two cores) and write its files
+    with their SHA-256 in SHA256SUMS, which every use checks. The recipe's bits depend on the CPU:
+    what this writes for seed 0 is the starter once committed."""
+    from policies.starter import SHIPPED, rebuild_starter
+
+    out_dir = out or (SHIPPED if seed == 0 else Settings().starter.cache_dir)
+    try:
+        rebuild_starter(out_dir, seed=seed)
+    except ValueError as error:
+        fail(str(error))
+    console.print(f"{out_dir}: the starter policy, seed {seed}, built from its recipe; SHA-256 in {out_dir / 'SHA256SUMS'}")
 
 
 @policy_app.command("list")
@@ -756,6 +776,12 @@ def main() -> None:
         console.print(f"[red]error:[/red] {describe_error(error)}", soft_wrap=True)
         raise SystemExit(1) from None
     except ConfigFileError as error:
+        console.print(f"[red]error:[/red] {error}", soft_wrap=True)
+        raise SystemExit(1) from None
+    except Exception as error:  # a starter that fails its SHA-256: one line naming the rebuild command
+        starter = sys.modules.get("policies.starter")  # loaded already where that is what this is
+        if starter is None or not isinstance(error, starter.StarterMismatch):
+            raise
         console.print(f"[red]error:[/red] {error}", soft_wrap=True)
         raise SystemExit(1) from None
 

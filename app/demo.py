@@ -518,10 +518,9 @@ def run_demo(settings: Settings, minutes: float, users: int, seed: int, max_toke
              out_dir: Path, console: Console, day_minutes: float | None = None, heldout: int = 50) -> dict:
     """The demo; with `day_minutes`, traffic follows a day of that length (`day_load`) and
     idle replicas are lent to rollouts (the settings must enable the capacity scheduler)."""
-    import httpx
+    from app.stack import up
 
-    from app.stack import StackError, down, drain, stop_sources, up
-
+    launched = time.time()
     console.print("[bold]starting the embedded stack[/bold]")
     up(settings, say=console.print)
     try:
@@ -529,63 +528,11 @@ def run_demo(settings: Settings, minutes: float, users: int, seed: int, max_toke
         load = None if day_minutes is None else (lambda t: day_load(t, day_minutes * 60))
         pop = Population(settings, keys["tenant_key"], users, seed, max_tokens, load)
         threads = pop.start()
-        components = ("learner", "controller") + (("capacity", "rollouts") if day_minutes else ())
-        if day_minutes and settings.rollouts.heldout_every_s is not None:
-            components += ("evaluator",)
-        urls = {name: settings.url(getattr(settings.ports, name)) + "/health" for name in components}
-        status: dict[str, dict] = {name: {} for name in urls}
-        active: list[tuple[float, int]] = []  # (seconds, users active)
-        tokens: list[tuple[float, int]] = []  # (seconds, rollout tokens so far)
-        with Live(live_table(pop, status), console=console, refresh_per_second=2) as live:
-            while time.time() - pop.started < minutes * 60:
-                time.sleep(1)
-                now = time.time() - pop.started
-                active.append((now, pop.active()))
-                for name, url in urls.items():
-                    try:
-                        status[name] = httpx.get(url, timeout=2).json()
-                    except httpx.HTTPError:
-                        pass
-                if "rollouts" in status:
-                    tokens.append((now, status["rollouts"].get("tokens", 0)))
-                live.update(live_table(pop, status))
+        status, active, tokens = watch(settings, pop, minutes, console, launched, day=day_minutes is not None)
         pop.stop(threads)
-        # A trough at the end would feed the drain forever; the evaluator's figures are taken.
-        stop_sources(settings, ("rollouts", "capacity", "evaluator"))
-        day = None
-        if day_minutes:
-            from liverl.lending import read_events
-
-            day = capacity_summary(pop, read_events(settings), status["rollouts"], active, tokens)
-            day["load"] = active
-            day["heldout_live"] = status.get("evaluator", {}).get("heldout", {})  # as the evaluator reached them
-            # Each production request (`Request`): runs of the same day compare window by window.
-            out_dir.mkdir(parents=True, exist_ok=True)
-            with pop._lock:
-                (out_dir / "requests.json").write_text(json.dumps(pop.requests))
-        drain(settings, settings.drain_timeout_s, say=lambda _: None)
-        per_version = json.loads(httpx.post(settings.url(settings.ports.sink) + "/sql", timeout=60, json={
-            "sql": VERSION_SQL, "format": "json"}, headers=admin_headers(settings)).raise_for_status().text)["data"]
-        print_rows(per_version, "per policy version, from ClickHouse")
-        result = summary(pop.tallies)
-        result["feedback_to_serving_s"] = feedback_to_serving(settings)
-        result["guard"] = guard_verdicts(settings)
-        result["stable_regressions"] = stable_regressions(settings, per_version)
-        if result["guard"]:
-            print_rows(result["guard"], "versions the guard stopped")
-        if day is not None:
-            day["heldout_regressions"] = heldout_regressions(settings)
-            if day["heldout_regressions"]:
-                print_rows(day["heldout_regressions"], "stable versions that lost held-out skill (held-out watch)")
-        result["learning_curve"] = learning_curve(pop.tallies)[::25]
-        result["clickhouse"] = per_version
+        result, day = results(settings, pop, status, active, tokens, out_dir)
     finally:
-        console.print("[bold]draining and stopping[/bold]")
-        try:
-            down(settings, say=console.print)
-        except StackError as error:
-            console.print(f"[red]{error}[/red]; stopping without draining")
-            down(settings, say=console.print, force=True)
+        stop_stack(settings, console)
     if day is not None:  # with the stack down, so the evaluation has the cores
         console.print(f"held-out pass rate of the coding environment per version ({heldout} tasks, greedy)")
         day["heldout"] = heldout_by_version(settings, pop.started, heldout)
@@ -595,6 +542,109 @@ def run_demo(settings: Settings, minutes: float, users: int, seed: int, max_toke
     (out_dir / "summary.json").write_text(json.dumps(result, indent=2))
     console.print(f"plot: {png} and {html}")
     return result
+
+
+def watch(settings: Settings, pop: Population, minutes: float, console: Console, launched: float,
+          day: bool, every_s: float = 30.0) -> tuple[dict[str, dict], list[tuple[float, int]], list[tuple[float, int]]]:
+    """Poll the components' health each second for `minutes` while the users run: a live table
+    on a terminal, elsewhere a plain line every `every_s` seconds (`progress_line`); and one
+    line when the first user request is served. Returns the last health of each, the users
+    active and the rollout tokens over time."""
+    import httpx
+
+    components = ("learner", "controller") + (("capacity", "rollouts") if day else ())
+    if day and settings.rollouts.heldout_every_s is not None:
+        components += ("evaluator",)
+    urls = {name: settings.url(getattr(settings.ports, name)) + "/health" for name in components}
+    status: dict[str, dict] = {name: {} for name in urls}
+    active: list[tuple[float, int]] = []  # (seconds, users active)
+    tokens: list[tuple[float, int]] = []  # (seconds, rollout tokens so far)
+    first_served, said = False, time.time()
+    with Live(live_table(pop, status), console=console, refresh_per_second=2) as live:
+        while time.time() - pop.started < minutes * 60:
+            time.sleep(1)
+            now = time.time() - pop.started
+            active.append((now, pop.active()))
+            for name, url in urls.items():
+                try:
+                    status[name] = httpx.get(url, timeout=2).json()
+                except httpx.HTTPError:
+                    pass
+            if "rollouts" in status:
+                tokens.append((now, status["rollouts"].get("tokens", 0)))
+            if not first_served and pop.tallies:
+                first_served = True
+                version, tally = min(pop.tallies.items(), key=lambda kv: kv[1].first_at)
+                console.print(f"first user request served by {version}, {time.time() - launched:.0f} s after "
+                              f"`liverl demo` began ({tally.first_at:.1f} s after the users started)")
+            if not console.is_terminal and time.time() - said >= every_s:
+                said = time.time()
+                console.print(progress_line(pop, status, minutes), soft_wrap=True)
+            live.update(live_table(pop, status))
+    return status, active, tokens
+
+
+def progress_line(pop: Population, status: dict[str, dict], minutes: float) -> str:
+    """One plain line of the live table, for output that is not a terminal."""
+    with pop._lock:
+        versions = ", ".join(f"{v} {t.served} served {t.accepted / max(t.served, 1):.0%} accepted"
+                             for v, t in sorted(pop.tallies.items(), key=lambda kv: int(kv[0][1:])))
+    learner = status["learner"]
+    return (f"demo {time.time() - pop.started:.0f} s of {minutes * 60:.0f}: {versions or 'nothing served yet'}; "
+            f"learner at {learner.get('version', '?')}, {learner.get('pending', 0)} samples pending; "
+            f"controller {status['controller'].get('state', '?')}; {pop.errors} errors")
+
+
+def results(settings: Settings, pop: Population, status: dict[str, dict], active: list[tuple[float, int]],
+            tokens: list[tuple[float, int]], out_dir: Path) -> tuple[dict, dict | None]:
+    """With the users stopped: the day's capacity figures (with `rollouts` in `status`), a
+    drain, ClickHouse's per-version table, and the summary; (result, day or None)."""
+    import httpx
+
+    from app.stack import drain, stop_sources
+
+    # A trough at the end would feed the drain forever; the evaluator's figures are taken.
+    stop_sources(settings, ("rollouts", "capacity", "evaluator"))
+    day = None
+    if "rollouts" in status:
+        from liverl.lending import read_events
+
+        day = capacity_summary(pop, read_events(settings), status["rollouts"], active, tokens)
+        day["load"] = active
+        day["heldout_live"] = status.get("evaluator", {}).get("heldout", {})  # as the evaluator reached them
+        # Each production request (`Request`): runs of the same day compare window by window.
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with pop._lock:
+            (out_dir / "requests.json").write_text(json.dumps(pop.requests))
+    drain(settings, settings.drain_timeout_s, say=lambda _: None)
+    per_version = json.loads(httpx.post(settings.url(settings.ports.sink) + "/sql", timeout=60, json={
+        "sql": VERSION_SQL, "format": "json"}, headers=admin_headers(settings)).raise_for_status().text)["data"]
+    print_rows(per_version, "per policy version, from ClickHouse")
+    result = summary(pop.tallies)
+    result["feedback_to_serving_s"] = feedback_to_serving(settings)
+    result["guard"] = guard_verdicts(settings)
+    result["stable_regressions"] = stable_regressions(settings, per_version)
+    if result["guard"]:
+        print_rows(result["guard"], "versions the guard stopped")
+    if day is not None:
+        day["heldout_regressions"] = heldout_regressions(settings)
+        if day["heldout_regressions"]:
+            print_rows(day["heldout_regressions"], "stable versions that lost held-out skill (held-out watch)")
+    result["learning_curve"] = learning_curve(pop.tallies)[::25]
+    result["clickhouse"] = per_version
+    return result, day
+
+
+def stop_stack(settings: Settings, console: Console) -> None:
+    """Drain and stop the stack; without draining if the drain fails."""
+    from app.stack import StackError, down
+
+    console.print("[bold]draining and stopping[/bold]")
+    try:
+        down(settings, say=console.print)
+    except StackError as error:
+        console.print(f"[red]{error}[/red]; stopping without draining")
+        down(settings, say=console.print, force=True)
 
 
 def demo_settings(day: bool = False) -> Settings:

@@ -170,14 +170,17 @@ class PortsConfig(Config):
 
 
 class StarterPolicyConfig(Config):
-    """The locally built Qwen3-MoE the embedded default serves first."""
+    """The small Qwen3-MoE the embedded default serves first: shipped in policies/starter_model
+    (seed 0, each file checked against its SHA-256 at use), or built from its recipe for another seed."""
 
-    seed: int = Field(0, description="Seed for tokenizer corpus order, init and mid-training.")
+    seed: int = Field(0, description="Seed for tokenizer corpus order, init and mid-training: 0 takes the shipped "
+                      "starter, any other builds it from the recipe (about 10 minutes on two cores).")
     cache_dir: Path = Field(
-        REPO_ROOT / ".liverl/starter", description="Where the starter policy is built once per machine."
+        REPO_ROOT / ".liverl/starter", description="Where the starter policy is kept: a verified copy of the "
+        "shipped one, or built once per machine."
     )
     model_dir: Path | None = Field(
-        None, description="Serve this HF checkpoint instead of building the starter policy."
+        None, description="Serve this HF checkpoint instead of the starter policy."
     )
 
 

@@ -25,7 +25,8 @@ from liverl.settings import (
 
 @pytest.fixture(scope="session")
 def starter_dir() -> Path:
-    """The starter policy, built once per machine and shared with `liverl demo`."""
+    """The shipped starter policy (policies/starter_model, checked against its SHA-256), in the
+    cache `liverl demo` serves it from; not built: `liverl policy build-starter` rebuilds it."""
     from policies.starter import build_starter_policy
 
     return build_starter_policy(StarterPolicyConfig().cache_dir, seed=0, progress=False)

@@ -1,9 +1,12 @@
-"""The starter policy builds deterministically, loads in transformers, and is cached."""
+"""The starter policy builds deterministically, loads in transformers, and is cached; the
+repository ships it (seed 0), checked against each file's SHA-256 at use."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +17,14 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import policies.starter
-from policies.starter import MARKER, build_starter_policy
+from policies.starter import (
+    MARKER,
+    SHIPPED,
+    SUMS,
+    StarterMismatch,
+    build_starter_policy,
+    rebuild_starter,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 # Tiny but complete: every stage of the real build runs, in seconds.
@@ -78,3 +88,76 @@ def test_second_call_returns_the_cached_build(built: Path, monkeypatch: pytest.M
     with pytest.raises(AssertionError, match="rebuilt"):
         build_starter_policy(built, **dict(TINY, seed=8))
     assert not list(built.parent.glob("*.building-*"))  # a failed build leaves no debris
+
+
+def test_the_defaults_take_the_shipped_starter_verified_without_building(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_build(*args: object, **kwargs: object) -> None:
+        raise AssertionError("built the starter the repository ships")
+
+    monkeypatch.setattr(policies.starter, "train_tokenizer", no_build)
+    listed = policies.starter.verify(SHIPPED)
+    assert set(listed) == set(digests(SHIPPED)) - {SUMS} and "model.safetensors" in listed
+    out = build_starter_policy(tmp_path / "starter", progress=False)
+    assert digests(out) == {name: sha for name, sha in digests(SHIPPED).items() if name != SUMS}
+    assert json.loads((out / MARKER).read_text())["args"] == policies.starter.SHIPPED_ARGS
+    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    assert build_starter_policy(out, seed=0, progress=False) == out  # a verified copy is kept as it is
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
+    (out / "config.json").write_text("{}")  # a spoiled copy is replaced
+    assert digests(build_starter_policy(out, progress=False))["config.json"] == listed["config.json"]
+
+
+def test_a_shipped_file_that_fails_its_sha256_is_refused_in_one_line(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    shipped = tmp_path / "starter_model"
+    shutil.copytree(SHIPPED, shipped)
+    monkeypatch.setattr(policies.starter, "SHIPPED", shipped)
+    weights = bytearray((shipped / "model.safetensors").read_bytes())
+    weights[-1] ^= 1
+    (shipped / "model.safetensors").write_bytes(weights)
+    with pytest.raises(StarterMismatch) as refused:
+        build_starter_policy(tmp_path / "starter", progress=False)
+    message = str(refused.value)
+    assert "\n" not in message and "model.safetensors" in message
+    assert message.endswith("rebuild it with `liverl policy build-starter --seed 0`")
+    assert not (tmp_path / "starter").exists()
+
+    # The command line says it in one line too, not a traceback.
+    code = ("import sys, pathlib, policies.starter as s; s.SHIPPED = pathlib.Path(sys.argv[1]); "
+            "sys.argv = ['liverl', 'policy', 'real-shape', sys.argv[2]]; from app.cli import main; main()")
+    env = dict(os.environ, LIVERL_STARTER__CACHE_DIR=str(tmp_path / "cache"), COLUMNS="300")
+    run = subprocess.run([sys.executable, "-c", code, str(shipped), str(tmp_path / "real")], cwd=REPO, env=env, check=False,
+                         capture_output=True, text=True)
+    assert run.returncode == 1 and "Traceback" not in run.stderr
+    assert run.stdout.strip().startswith("error: the starter policy's model.safetensors")
+    assert run.stdout.strip().endswith("`liverl policy build-starter --seed 0`") and run.stdout.count("\n") == 1
+
+
+def test_a_rebuild_writes_the_files_and_their_sha256_and_keeps_the_shipped_folder_for_seed_0(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = rebuild_starter(tmp_path / "rebuilt", **dict(TINY, progress=True))
+    assert policies.starter.verify(out).keys() == set(digests(out)) - {SUMS}
+    lines = capsys.readouterr().out.splitlines()  # not a terminal: plain lines, not a bar
+    assert lines[0].startswith("building the starter policy from its recipe (seed 7)")
+    assert [line.split(",")[0] for line in lines[1:]] == [
+        "mid-training the starter policy: step 1 of 3 (33%)", "mid-training the starter policy: step 3 of 3 (100%)"]
+    assert not list(tmp_path.glob("*.rebuilding-*"))
+    with pytest.raises(ValueError, match="seed 0"):
+        rebuild_starter(SHIPPED, **TINY)
+
+
+def test_build_starter_writes_the_shipped_folder_for_seed_0_and_the_cache_otherwise(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    from app.cli import app
+
+    calls = []
+    monkeypatch.setattr(policies.starter, "rebuild_starter", lambda out, **args: calls.append((out, args)))
+    monkeypatch.setenv("LIVERL_STARTER__CACHE_DIR", str(tmp_path / "cache"))
+    runner = CliRunner()
+    assert runner.invoke(app, ["policy", "build-starter"]).exit_code == 0
+    assert runner.invoke(app, ["policy", "build-starter", "--seed", "3"]).exit_code == 0
+    assert runner.invoke(app, ["policy", "build-starter", "--seed", "3", "--out", str(tmp_path / "x")]).exit_code == 0
+    assert calls == [(SHIPPED, {"seed": 0}), (tmp_path / "cache", {"seed": 3}), (tmp_path / "x", {"seed": 3})]
