@@ -25,7 +25,6 @@ from pydantic import AwareDatetime, BaseModel, Field, ValidationError
 
 from feedback.analyst_sql import RefusedQuery, prepare
 from feedback.warehouse import FORMATS, Warehouse, open_warehouse, query_json
-from liverl.audit import AuditLog
 from liverl.contracts import (
     CapacityEvent,
     DeadLetter,
@@ -37,9 +36,9 @@ from liverl.contracts import (
     Trajectory,
     VersionName,
 )
-from liverl.http import refuse_deep_json
-from liverl.keys import KeyRecord, KeyStore, require_admin, require_key
-from liverl.observability import log, mount_metrics, setup_logging
+from liverl.http import Audit, service_app
+from liverl.keys import KeyRecord, require_admin, require_key
+from liverl.observability import log, setup_logging
 from liverl.settings import Settings, get_settings
 
 GROUP = "liverl-sink"
@@ -336,18 +335,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         await task
         app.state.warehouse.close()
 
-    app = FastAPI(title="liverl analytics sink", lifespan=lifespan)
-    app.state.keys = KeyStore(settings.keys_file)
-    refuse_deep_json(app)
-    audit = AuditLog(settings.audit_file)
-    mount_metrics(app)
-
-    @app.get("/health")
     async def health() -> dict:
         task = app.state.consumer
         if task.done():
             raise HTTPException(503, f"consumer stopped: {task.exception()!r}")
         return {"ok": True}
+
+    app = service_app("liverl analytics sink", settings, health, lifespan)
 
     @app.post("/figures")
     async def figures(body: FiguresRequest, key: KeyRecord = Depends(require_admin)) -> list[VersionFigures]:
@@ -364,7 +358,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return [ServingFigures(**row) for row in rows]
 
     @app.post("/sql", response_class=PlainTextResponse)
-    async def sql(body: SqlRequest, key: KeyRecord = Depends(require_key)) -> str:
+    async def sql(body: SqlRequest, audit: Audit, key: KeyRecord = Depends(require_key)) -> str:
         """Analysts' SQL (feedback/analyst_sql.py): an admin key reads every tenant, a
         tenant key its own rows; every query is audited."""
         tenant = None if key.role == "admin" else key.tenant

@@ -9,21 +9,21 @@ import time
 from pathlib import Path
 from collections import OrderedDict
 from contextlib import asynccontextmanager
-from typing import get_args
+from datetime import datetime
+from typing import NamedTuple, get_args
 
-from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
 from fastapi.responses import Response
 from prometheus_client import Counter, Histogram
 from pydantic import ValidationError
 
 from ingest.schemas import (FeedbackBatch, IngestItem, IngestResponse, ItemError, ItemForbidden, ItemResult,
                             KeyRequest, describe, to_event)
-from liverl.audit import AuditLog
 from liverl.contracts import Architecture, utcnow
-from liverl.http import refuse_deep_json
-from liverl.keys import KeyRecord, KeyStore, require_admin, require_key
+from liverl.http import Audit, read_json, service_app
+from liverl.keys import KeyRecord, require_admin, require_key
 from liverl.kafka import BatchProducer, encode
-from liverl.observability import log, mount_metrics, setup_logging
+from liverl.observability import log, setup_logging
 from liverl.ratelimit import TenantRateLimiter
 from liverl.settings import Settings, get_settings
 from policies.registry import Registry
@@ -86,12 +86,7 @@ def validated_items(raw: bytes, max_items: int) -> list[tuple[str | None, str, I
     else:
         if len(batch) <= max_items:
             return [(item.id, item.type, item) for item in batch]
-    try:
-        payload = json.loads(raw)
-    except ValueError as error:
-        raise HTTPException(400, f"malformed JSON: {error}") from None
-    except RecursionError:
-        raise HTTPException(400, "malformed JSON: nested too deeply") from None
+    payload = read_json(raw)
     if not isinstance(payload, dict) or not isinstance(payload.get("batch"), list):
         raise HTTPException(422, "batch: expected an object {\"batch\": [...]} with a list")
     if extra := set(payload) - {"batch"}:
@@ -111,69 +106,47 @@ def validated_items(raw: bytes, max_items: int) -> list[tuple[str | None, str, I
     return items
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
-    settings = settings or get_settings()
+class Send(NamedTuple):
+    """An accepted item on its way to the broker: its place among the results, the
+    message, the id it is remembered by once acknowledged, and its type (for metrics)."""
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        app.state.producer = BatchProducer(settings, settings.ingest.delivery_timeout_s)
-        # Everything loaded so far lives as long as the process: keep it out of the
-        # garbage collector's full passes, which otherwise pause a request for tens of ms.
-        gc.freeze()
-        yield
-        app.state.producer.close()
+    index: int
+    message: tuple[str, bytes, bytes]
+    seen_id: str
+    item_type: str
 
-    app = FastAPI(title="liverl ingest", lifespan=lifespan)
-    app.state.keys = KeyStore(settings.keys_file)
-    app.state.recent = RecentIds()
-    refuse_deep_json(app)
-    mount_metrics(app)
-    limits = settings.ingest
-    limiter = TenantRateLimiter(limits.tenant_events_per_s, limits.tenant_events_burst)
-    architecture = ServingArchitecture(settings)
-    audit = AuditLog(settings.audit_file)
 
-    @app.get("/health")
-    async def health() -> dict:
-        return {"ok": True}
+class Ingestion:
+    """Batches onto Kafka: each item checked on its own, and acknowledged only once the
+    broker acknowledged it (acks=all)."""
 
-    # The body is read raw (one validation pass for the common batch, item by item
-    # otherwise), so its schema is given to the OpenAPI document by hand.
-    batch_schema = {"type": "object", "required": ["batch"], "additionalProperties": False,
-                    "properties": {"batch": {"type": "array", "maxItems": limits.max_batch_items,
-                                             "items": IngestItem.model_json_schema()}}}
+    def __init__(self, settings: Settings):
+        self.limits = settings.ingest
+        self.limiter = TenantRateLimiter(self.limits.tenant_events_per_s, self.limits.tenant_events_burst)
+        self.architecture = ServingArchitecture(settings)
+        self.recent = RecentIds()
+        self.producer: BatchProducer | None = None  # while the app runs
 
-    @app.post("/v1/ingestion", status_code=207, response_model=IngestResponse, openapi_extra={
-        "requestBody": {"required": True, "content": {"application/json": {"schema": batch_schema}}}})
-    async def ingest(request: Request, key: KeyRecord = Depends(require_key)) -> Response:
-        started, received_at = time.perf_counter(), utcnow()
-        raw = await request.body()
-        if len(raw) > limits.max_body_bytes:
-            raise HTTPException(413, f"body is {len(raw)} bytes; the limit is {limits.max_body_bytes}")
-        items = validated_items(raw, limits.max_batch_items)
-        limiter.check(key.tenant, len(items))
-        arch = architecture.get() if any(t == "trajectory" for _, t, _ in items) else None
-
+    async def batch(self, raw: bytes, caller: KeyRecord, received_at: datetime) -> IngestResponse:
+        if len(raw) > self.limits.max_body_bytes:
+            raise HTTPException(413, f"body is {len(raw)} bytes; the limit is {self.limits.max_body_bytes}")
+        items = validated_items(raw, self.limits.max_batch_items)
+        self.limiter.check(caller.tenant, len(items))
+        arch = self.architecture.get() if any(t == "trajectory" for _, t, _ in items) else None
         results: list[ItemResult] = []
         outcomes: collections.Counter[tuple[str, str]] = collections.Counter()
-        sends: list[tuple[int, tuple[str, bytes, bytes], str, str]] = []
+        sends: list[Send] = []
         in_batch: set[str] = set()
         for item_id, item_type, item in items:
             try:
                 if isinstance(item, ItemError):
                     raise item
-                seen_key = f"{key.tenant}/{item.id}"  # tenants are ids: no "/" in them
-                if item.id in in_batch or seen_key in request.app.state.recent:
+                seen_id = f"{caller.tenant}/{item.id}"  # tenants are ids: no "/" in them
+                if item.id in in_batch or seen_id in self.recent:
                     results.append(ItemResult(id=item.id, status=200, duplicate=True))
                     outcomes[item.type, "duplicate"] += 1
                     continue
-                if item.type == "trajectory" and "trajectories" not in key.scopes:
-                    raise ItemForbidden("type: this key may not send trajectories (they train the shared "
-                                    "policy: a key needs the 'trajectories' scope)")
-                topic, partition_key, event = to_event(item, key.tenant, received_at, arch)
-                value = encode(event)
-                if len(value) > limits.max_item_bytes:
-                    raise ItemError(f"item is larger than {limits.max_item_bytes} bytes as an event")
+                message = self.message(item, caller, received_at, arch)
             except ItemError as error:
                 status = 413 if "larger than" in str(error) else error.status
                 results.append(ItemResult(id=item_id, status=status, error=str(error)))
@@ -181,52 +154,103 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 continue
             in_batch.add(item.id)
             results.append(ItemResult(id=item.id, status=201))
-            sends.append((len(results) - 1, (topic, partition_key.encode(), value), seen_key, item.type))
-
-        # Acknowledge only what the broker acknowledged (acks=all).
+            sends.append(Send(len(results) - 1, message, seen_id, item.type))
         try:
-            failures = await request.app.state.producer.send_many([m for _, m, _, _ in sends])
-            for (index, _, seen_key, item_type), failure in zip(sends, failures):
-                if failure is not None:
-                    results[index] = ItemResult(
-                        id=results[index].id, status=503, error=f"broker did not acknowledge: {failure}"
-                    )
-                    outcomes[item_type, "unacknowledged"] += 1
-                else:
-                    request.app.state.recent.add(seen_key)
-                    outcomes[item_type, "accepted"] += 1
+            await self.acknowledge(sends, results, outcomes)
         finally:
             for (item_type, outcome), n in outcomes.items():
                 ITEMS.labels(item_type, outcome).inc(n)
         accepted = sum(r.status < 300 for r in results)
+        return IngestResponse(accepted=accepted, rejected=len(results) - accepted, results=results)
+
+    def message(self, item: IngestItem, caller: KeyRecord, received_at: datetime,
+                arch: Architecture | None) -> tuple[str, bytes, bytes]:
+        """The item as a Kafka message (topic, partition key, value); an ItemError if it may not be sent."""
+        if item.type == "trajectory" and "trajectories" not in caller.scopes:
+            raise ItemForbidden("type: this key may not send trajectories (they train the shared "
+                                "policy: a key needs the 'trajectories' scope)")
+        topic, partition_key, event = to_event(item, caller.tenant, received_at, arch)
+        value = encode(event)
+        if len(value) > self.limits.max_item_bytes:
+            raise ItemError(f"item is larger than {self.limits.max_item_bytes} bytes as an event")
+        return topic, partition_key.encode(), value
+
+    async def acknowledge(self, sends: list[Send], results: list[ItemResult],
+                          outcomes: collections.Counter[tuple[str, str]]) -> None:
+        """Send; an item the broker did not acknowledge becomes a 503 and is not remembered
+        as seen, so the client's retry is taken as new."""
+        failures = await self.producer.send_many([send.message for send in sends])
+        for send, failure in zip(sends, failures):
+            if failure is not None:
+                results[send.index] = ItemResult(id=results[send.index].id, status=503,
+                                                 error=f"broker did not acknowledge: {failure}")
+                outcomes[send.item_type, "unacknowledged"] += 1
+            else:
+                self.recent.add(send.seen_id)
+                outcomes[send.item_type, "accepted"] += 1
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or get_settings()
+    ingestion = Ingestion(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        ingestion.producer = BatchProducer(settings, settings.ingest.delivery_timeout_s)
+        # Everything loaded so far lives as long as the process: keep it out of the
+        # garbage collector's full passes, which otherwise pause a request for tens of ms.
+        gc.freeze()
+        yield
+        ingestion.producer.close()
+
+    app = service_app("liverl ingest", settings, lifespan=lifespan)
+    # The body is read raw (one validation pass for the common batch, item by item
+    # otherwise), so its schema is given to the OpenAPI document by hand.
+    batch_schema = {"type": "object", "required": ["batch"], "additionalProperties": False,
+                    "properties": {"batch": {"type": "array", "maxItems": settings.ingest.max_batch_items,
+                                             "items": IngestItem.model_json_schema()}}}
+
+    @app.post("/v1/ingestion", status_code=207, response_model=IngestResponse, openapi_extra={
+        "requestBody": {"required": True, "content": {"application/json": {"schema": batch_schema}}}})
+    async def ingest(request: Request, caller: KeyRecord = Depends(require_key)) -> Response:
+        started, received_at = time.perf_counter(), utcnow()
+        body = await ingestion.batch(await request.body(), caller, received_at)
         BATCH_SECONDS.observe(time.perf_counter() - started)
-        body = IngestResponse(accepted=accepted, rejected=len(results) - accepted, results=results)
         return Response(body.model_dump_json(), status_code=207, media_type="application/json")
 
-    # --- admin: keys --------------------------------------------------------------------
-    @app.post("/admin/keys", status_code=201)
-    async def create_key(body: KeyRequest, admin: KeyRecord = Depends(require_admin)) -> dict:
-        key, record = app.state.keys.create(body.tenant, body.role, body.label, body.scopes)
-        log(logger, "key created", key_id=record.key_id, tenant=record.tenant, by=admin.key_id)
-        audit.record(admin.key_id, "keys.create", record.tenant, key_id=record.key_id, role=record.role,
-                     scopes=record.scopes)
-        return {"key": key, **record.model_dump(mode="json")}
-
-    @app.get("/admin/keys")
-    async def list_keys(admin: KeyRecord = Depends(require_admin)) -> list[dict]:
-        return [r.model_dump(mode="json") for r in app.state.keys.list()]
-
-    @app.delete("/admin/keys/{key_id}")
-    async def revoke_key(key_id: str, admin: KeyRecord = Depends(require_admin)) -> dict:
-        try:
-            record = app.state.keys.revoke(key_id)
-        except KeyError as error:
-            raise HTTPException(404, str(error)) from None
-        log(logger, "key revoked", key_id=key_id, by=admin.key_id)
-        audit.record(admin.key_id, "keys.revoke", record.tenant, key_id=key_id)
-        return record.model_dump(mode="json")
-
+    app.include_router(keys_router)
     return app
+
+
+# --- admin: keys ------------------------------------------------------------------------
+keys_router = APIRouter(prefix="/admin/keys")
+
+
+@keys_router.post("", status_code=201)
+async def create_key(body: KeyRequest, request: Request, audit: Audit,
+                     admin: KeyRecord = Depends(require_admin)) -> dict:
+    key, record = request.app.state.keys.create(body.tenant, body.role, body.label, body.scopes)
+    log(logger, "key created", key_id=record.key_id, tenant=record.tenant, by=admin.key_id)
+    audit.record(admin.key_id, "keys.create", record.tenant, key_id=record.key_id, role=record.role,
+                 scopes=record.scopes)
+    return {"key": key, **record.model_dump(mode="json")}
+
+
+@keys_router.get("")
+async def list_keys(request: Request, admin: KeyRecord = Depends(require_admin)) -> list[dict]:
+    return [r.model_dump(mode="json") for r in request.app.state.keys.list()]
+
+
+@keys_router.delete("/{key_id}")
+async def revoke_key(key_id: str, request: Request, audit: Audit,
+                     admin: KeyRecord = Depends(require_admin)) -> dict:
+    try:
+        record = request.app.state.keys.revoke(key_id)
+    except KeyError as error:
+        raise HTTPException(404, str(error)) from None
+    log(logger, "key revoked", key_id=key_id, by=admin.key_id)
+    audit.record(admin.key_id, "keys.revoke", record.tenant, key_id=key_id)
+    return record.model_dump(mode="json")
 
 
 if __name__ == "__main__":

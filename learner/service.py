@@ -38,12 +38,12 @@ from pydantic import ValidationError
 
 from learner import distributed
 from learner.trainer import Trainer, problem
-from liverl.audit import AuditLog
 from liverl.contracts import DeadLetter, RewardedSample, Topics
 from liverl.faults import crash_point
+from liverl.http import Audit, service_app
 from liverl.kafka import KAFKA_PYTHON_API_VERSION, encode, produce_sync
-from liverl.keys import KeyRecord, KeyStore, require_admin
-from liverl.observability import log, mount_metrics, setup_logging
+from liverl.keys import KeyRecord, require_admin
+from liverl.observability import log, setup_logging
 from liverl.pool import read_pool
 from liverl.process import serve_beside
 from liverl.settings import Settings, get_settings
@@ -476,12 +476,7 @@ class Learner:
 
 def create_app(settings: Settings) -> tuple[FastAPI, Learner]:
     learner = Learner(settings)
-    app = FastAPI(title="liverl learner")
-    app.state.keys = KeyStore(settings.keys_file)
-    audit = AuditLog(settings.audit_file)
-    mount_metrics(app)
 
-    @app.get("/health")
     def health() -> dict:
         return {"ok": True, "version": learner.current.version, "pending": len(learner.pending),
                 "paused": learner.paused.is_set(), "dropped_since_last_version": dict(learner.dropped),
@@ -489,8 +484,10 @@ def create_app(settings: Settings) -> tuple[FastAPI, Learner]:
                 # Groups still missing members: their offsets stay uncommitted (read again after a restart).
                 "open_groups": sum(not g.complete for g in learner.open_groups.values())}
 
+    app = service_app("liverl learner", settings, health)
+
     @app.post("/pause")
-    def pause(reason: str = "", wait_s: float = Query(600.0, ge=0, le=3600, description=(
+    def pause(audit: Audit, reason: str = "", wait_s: float = Query(600.0, ge=0, le=3600, description=(
             "How long to wait for a step in flight to finish")),
               key: KeyRecord = Depends(require_admin)) -> dict:
         """Stop consuming and writing versions (admin key; audited). Answers once the step in
@@ -503,13 +500,13 @@ def create_app(settings: Settings) -> tuple[FastAPI, Learner]:
         return {"paused": True, "halted": halted, "version": learner.current.version}
 
     @app.post("/resume")
-    def resume(reason: str = "", key: KeyRecord = Depends(require_admin)) -> dict:
+    def resume(audit: Audit, reason: str = "", key: KeyRecord = Depends(require_admin)) -> dict:
         learner.paused.clear()
         audit.record(key.key_id, "learner.resume", "learner", reason, version=learner.current.version)
         return {"paused": False, "version": learner.current.version}
 
     @app.post("/flush")
-    def flush(reason: str = "", key: KeyRecord = Depends(require_admin)) -> dict:
+    def flush(audit: Audit, reason: str = "", key: KeyRecord = Depends(require_admin)) -> dict:
         """Learn from whatever is pending now (a clean shutdown must not strand samples)."""
         learner.flush_requested.set()
         audit.record(key.key_id, "learner.flush", "learner", reason, pending=len(learner.pending))

@@ -40,12 +40,13 @@ import httpx
 from fastapi import FastAPI, HTTPException, Query
 from pydantic import BaseModel, Field
 
-from liverl.audit import AuditLog, Reason
+from liverl.audit import Reason
 from liverl.contracts import AliasName, VersionName
-from liverl.keys import KeyRecord, KeyStore, admin_headers
+from liverl.http import service_app
+from liverl.keys import KeyRecord, admin_headers
 from liverl.lending import hold_lending
 from liverl.load import read_gateway_load
-from liverl.observability import log, mount_metrics, setup_logging
+from liverl.observability import log, setup_logging
 from liverl.pool import promotion_lock, read_pool
 from liverl.process import serve_beside
 from liverl.settings import Settings, get_settings
@@ -587,14 +588,8 @@ def create_app(controller: Controller) -> FastAPI:
     """Health, on-call's API (an admin key, or the dashboard's session) and dashboard: the
     `liverl policy` commands over HTTP, each taking the controller's lock so it never
     interleaves with the controller's own moves."""
-    app = FastAPI(title="liverl promotion controller")
-    app.state.keys = KeyStore(controller.settings.keys_file)
-    audit = AuditLog(controller.settings.audit_file)
     registry, promoter = controller.registry, controller.promoter
-    mount_metrics(app)
-    mount_dashboard(app, controller, audit)
 
-    @app.get("/health")
     def health() -> dict:
         canary = registry.in_state("canary")
         stable = registry.stable()
@@ -602,6 +597,10 @@ def create_app(controller: Controller) -> FastAPI:
         return {"ok": True, "state": controller.state, "last_error": controller.last_error,
                 "stable": stable.version if stable else None,
                 "canary": canary[-1].version if canary else None, "pinned": pin is not None}
+
+    app = service_app("liverl promotion controller", controller.settings, health)
+    audit = app.state.audit
+    mount_dashboard(app, controller, audit)
 
     def act(key: KeyRecord, action: str, target: str, reason: str, change: Callable[[], T]) -> T:
         """One change by on-call: under the lock, refused with the reason when illegal, audited."""

@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 from fastapi import FastAPI
 
-from liverl.observability import log, mount_metrics, setup_logging
+from liverl.http import service_app
+from liverl.observability import log, setup_logging
 from liverl.process import serve_beside
 from liverl.settings import Settings, get_settings
 from policies.registry import Registry
@@ -72,14 +73,10 @@ class Evaluator:
 
 
 def create_app(evaluator: Evaluator) -> FastAPI:
-    app = FastAPI(title="liverl held-out evaluator")
-    mount_metrics(app)
-
-    @app.get("/health")
     def health() -> dict:
         return {"ok": True, "tasks": len(evaluator.tasks), "heldout": evaluator.results}
 
-    return app
+    return service_app("liverl held-out evaluator", evaluator.settings, health)
 
 
 if __name__ == "__main__":

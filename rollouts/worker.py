@@ -38,7 +38,8 @@ from liverl.contracts import (
     utcnow,
 )
 from liverl.kafka import encode, make_producer
-from liverl.observability import log, mount_metrics, setup_logging
+from liverl.http import service_app
+from liverl.observability import log, setup_logging
 from liverl.pool import SERVED_MODEL_NAME, Replica, read_pool, replica_async_client
 from liverl.settings import Settings, get_settings
 from rollouts.environment import Environment, MultiTurnEnvironment, Task, configured_environment
@@ -214,20 +215,22 @@ class RolloutWorker:
             await asyncio.sleep(1.0)  # not a tight loop while it lasts
 
 
-async def main(settings: Settings) -> None:
-    """The worker process: /health and /metrics, and groups on every lent replica."""
-    worker = RolloutWorker(settings)
-    app = FastAPI(title="liverl rollout worker")
-    mount_metrics(app)
+def create_app(worker: RolloutWorker) -> FastAPI:
+    settings = worker.settings
 
-    @app.get("/health")
     def health() -> dict:
         return {"ok": worker.misconfigured is None, "error": worker.misconfigured,
                 "lent": [r.name for r in lent_replicas(settings)], **worker.counts}
 
+    return service_app("liverl rollout worker", settings, health)
+
+
+async def main(settings: Settings) -> None:
+    """The worker process: /health and /metrics, and groups on every lent replica."""
+    worker = RolloutWorker(settings)
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
-    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.ports.rollouts,
+    server = uvicorn.Server(uvicorn.Config(create_app(worker), host=settings.host, port=settings.ports.rollouts,
                                            log_level="warning"))
     producer = make_producer(settings)
     await producer.start()

@@ -46,13 +46,14 @@ import httpx
 from fastapi import Depends, FastAPI, Query
 from prometheus_client import Counter, Gauge
 
-from liverl.audit import AuditLog, Reason
+from liverl.audit import Reason
+from liverl.http import Audit, service_app
 from liverl.contracts import CapacityEvent, Topics
 from liverl.kafka import encode, produce_sync
-from liverl.keys import KeyRecord, KeyStore, require_admin
+from liverl.keys import KeyRecord, require_admin
 from liverl.lending import hold_lending, lending_state, read_pause, record_event
 from liverl.load import GatewayLoad, read_gateway_load
-from liverl.observability import log, mount_metrics, setup_logging
+from liverl.observability import log, setup_logging
 from liverl.pool import ROLLOUT, Pool, edit_pool, read_pool, replica_client, replica_lock, set_replica
 from liverl.process import serve_beside
 from liverl.settings import CapacityConfig, Settings, get_settings
@@ -390,17 +391,15 @@ def abort_rollouts(url: str) -> int | None:
 
 def create_app(scheduler: Scheduler) -> FastAPI:
     settings = scheduler.settings
-    app = FastAPI(title="liverl capacity scheduler")
-    app.state.keys = KeyStore(settings.keys_file)
-    audit = AuditLog(settings.audit_file)
-    mount_metrics(app)
 
-    @app.get("/health")
     def health() -> dict:
         return {"ok": True, **lending_state(settings, latest=1)}
 
+    app = service_app("liverl capacity scheduler", settings, health)
+
     @app.post("/admin/{verb}")
-    def pause_or_resume(verb: Literal["pause", "resume"], body: Reason, key: KeyRecord = Depends(require_admin),
+    def pause_or_resume(verb: Literal["pause", "resume"], body: Reason, audit: Audit,
+                        key: KeyRecord = Depends(require_admin),
                         wait_s: float = Query(30.0, ge=0, le=600, description="How long a pause waits for the "
                                               "lent replicas to come back.")) -> dict:
         """Pause: lend nothing and take every lent replica back, whatever the load, until

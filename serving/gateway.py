@@ -33,11 +33,11 @@ from liverl.contracts import (
     Trajectory,
     new_id,
 )
-from liverl.http import refuse_deep_json
+from liverl.http import MalformedJSON, read_json, service_app
 from liverl.kafka import encode, make_producer
-from liverl.keys import KeyRecord, KeyStore, require_admin, require_key
+from liverl.keys import KeyRecord, require_admin, require_key
 from liverl.load import GatewayLoad
-from liverl.observability import log, mount_metrics, setup_logging
+from liverl.observability import log, setup_logging
 from liverl.pool import (
     ROLLOUT,
     SERVED_MODEL_NAME,
@@ -295,9 +295,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         await asyncio.gather(*(client.aclose() for client in clients.values()))
         await app.state.producer.stop()
 
-    app = FastAPI(title="liverl gateway", lifespan=lifespan)
-    app.state.keys = KeyStore(settings.keys_file)
-    refuse_deep_json(app)
+    async def health() -> dict:
+        pool = router.pool()
+        return {"ok": any(r.enabled for r in pool.replicas),
+                "replicas": [dict(r.model_dump(include={"name", "policy_version", "enabled"}),
+                                  inflight=router.inflight[r.name]) for r in pool.replicas]}
+
+    app = service_app("liverl gateway", settings, health, lifespan)
     limiter = TenantRateLimiter(settings.serving.tenant_requests_per_s, settings.serving.tenant_requests_burst)
     router = Router(settings)
     recording: set[asyncio.Task] = set()
@@ -307,7 +311,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         if replica.url not in clients:
             clients[replica.url] = replica_async_client(replica.url, settings.serving.request_timeout_s)
         return clients[replica.url]
-    mount_metrics(app)
 
     def in_background(coroutine) -> None:
         """Record after answering, and survive the client hanging up mid-stream."""
@@ -393,9 +396,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             return await refused(429, f"tenant {key.tenant!r} is over its rate limit; retry later",
                                  kind="rate_limit_error", headers={"Retry-After": str(max(1, int(wait + 0.999)))})
         try:
-            body = await request.json()
-        except (ValueError, RecursionError) as error:
-            return await refused(400, f"malformed JSON: {str(error)[:200] or 'nested too deeply'}")
+            body = read_json(await request.body())
+        except MalformedJSON as error:
+            return await refused(400, error.detail)
         if not isinstance(body, dict):
             return await refused(400, "the body must be a JSON object")
         try:
@@ -523,13 +526,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def load(key: KeyRecord = Depends(require_admin)) -> GatewayLoad:
         """Production requests in flight per replica, waiting, routed per second, tokens per second."""
         return router.load()
-
-    @app.get("/health")
-    async def health() -> dict:
-        pool = router.pool()
-        return {"ok": any(r.enabled for r in pool.replicas),
-                "replicas": [dict(r.model_dump(include={"name", "policy_version", "enabled"}),
-                                  inflight=router.inflight[r.name]) for r in pool.replicas]}
 
     return app
 
