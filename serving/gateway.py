@@ -20,24 +20,13 @@ from typing import Any, AsyncIterator
 
 import httpx
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
-from prometheus_client import Counter, Histogram
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from liverl.contracts import (
-    AliasName,
-    Id,
-    RequestRecord,
-    SamplingParams,
-    Topics,
-    Trajectory,
-    new_id,
-)
+from liverl.contracts import AliasName, Id, SamplingParams, new_id
 from liverl.http import MalformedJSON, read_json, service_app
-from liverl.kafka import encode, make_producer
 from liverl.keys import KeyRecord, require_admin, require_key
 from liverl.load import GatewayLoad
-from liverl.observability import log, setup_logging
 from liverl.pool import (
     ROLLOUT,
     SERVED_MODEL_NAME,
@@ -49,11 +38,7 @@ from liverl.pool import (
 )
 from liverl.ratelimit import TenantRateLimiter
 from liverl.settings import Settings, get_settings
-
-REQUESTS = Counter("liverl_gateway_requests_total", "Requests", ["endpoint", "status", "version"])
-LATENCY = Histogram("liverl_gateway_latency_seconds", "End-to-end latency", ["endpoint"])
-RECORD_FAILURES = Counter("liverl_gateway_record_failures_total", "Trajectories not recorded")
-logger = setup_logging("gateway")
+from serving.recorder import Accumulator, Exchange, Recorder
 
 
 class NoReplica(Exception):
@@ -83,12 +68,23 @@ class CompletionRequest(BaseModel):
     seed: int | None = None
     stream: bool = False
 
+    def prompt_text(self) -> str:
+        return str(self.prompt)
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(temperature=1.0 if self.temperature is None else self.temperature,
+                              top_p=1.0 if self.top_p is None else self.top_p,
+                              max_tokens=self.max_tokens, seed=self.seed)
+
 
 class ChatRequest(CompletionRequest):
     prompt: None = Field(None, exclude=True)
     messages: list[dict[str, Any]] = Field(min_length=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    def prompt_text(self) -> str:
+        return json.dumps(self.messages)
 
 
 GROUP_ID = TypeAdapter(Id)  # a group id is recorded as an id: checked like one
@@ -214,56 +210,6 @@ def client_view(choice: dict[str, Any], asked: dict[str, Any], chat: bool) -> di
     return choice
 
 
-def choice_logprobs(choice: dict[str, Any], chat: bool) -> list[float]:
-    logprobs = choice.get("logprobs") or {}
-    if chat:
-        return [c["logprob"] for c in logprobs.get("content") or []]
-    return [lp for lp in logprobs.get("token_logprobs") or [] if lp is not None]
-
-
-class Choice:
-    """One choice's tokens, gathered from a response or from stream chunks."""
-
-    def __init__(self, completion_id: str) -> None:
-        self.completion_id = completion_id
-        self.text: list[str] = []
-        self.token_ids: list[int] = []
-        self.logprobs: list[float] = []
-        self.prompt_token_ids: list[int] = []
-        self.routed_experts: Any = None
-        self.finish_reason: str | None = None
-
-
-class Accumulator:
-    """Every choice of one request, each recorded as its own completion: choice 0 takes
-    the request's completion id, choice i > 0 one of its own."""
-
-    def __init__(self, completion_id: str) -> None:
-        self.completion_id = completion_id
-        self.prompt_token_ids: list[int] = []
-        self.choices: dict[int, Choice] = {}
-
-    def choice(self, index: int) -> Choice:
-        if index not in self.choices:
-            self.choices[index] = Choice(self.completion_id if index == 0 else new_id("cmpl"))
-        return self.choices[index]
-
-    def add(self, payload: dict[str, Any], chat: bool) -> None:
-        if payload.get("prompt_token_ids"):
-            self.prompt_token_ids = payload["prompt_token_ids"]
-        for raw in payload.get("choices") or []:
-            choice = self.choice(int(raw.get("index") or 0))
-            raw["completion_id"] = choice.completion_id  # the client learns each choice's id
-            if raw.get("prompt_token_ids"):
-                choice.prompt_token_ids = raw["prompt_token_ids"]
-            piece = (raw.get("message") or raw.get("delta") or {}).get("content") if chat else raw.get("text")
-            choice.text.append(piece or "")
-            choice.token_ids.extend(raw.get("token_ids") or [])
-            choice.logprobs.extend(choice_logprobs(raw, chat))
-            choice.routed_experts = raw.get("routed_experts", choice.routed_experts)
-            choice.finish_reason = raw.get("finish_reason") or choice.finish_reason
-
-
 def refuse(status: int, message: str, kind: str = "invalid_request_error",
            headers: dict | None = None) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status,
@@ -281,251 +227,224 @@ def upstream_error(status: int, content: bytes, headers: dict) -> JSONResponse:
     return refuse(status, message[:500] or f"replica answered {status}", "upstream_error", headers)
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
-    settings = settings or get_settings()
+def for_client(payload: dict[str, Any], body: dict[str, Any], completion_id: str, chat: bool) -> dict[str, Any]:
+    """A replica's answer, or one chunk of it, as the client asked for it, named by the completion."""
+    payload.update(id=completion_id, completion_id=completion_id, model=body.get("model", SERVED_MODEL_NAME))
+    payload["choices"] = [client_view(c, body, chat) for c in payload.get("choices", [])]
+    payload.pop("prompt_token_ids", None)
+    return payload
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        app.state.producer = make_producer(settings)
-        await app.state.producer.start()
-        for replica in router.pool().replicas:  # made now, not by the first request each one answers
-            client_for(replica)
-        yield
-        await asyncio.gather(*recording)
-        await asyncio.gather(*(client.aclose() for client in clients.values()))
-        await app.state.producer.stop()
 
-    async def health() -> dict:
-        pool = router.pool()
+class Refused(Exception):
+    """A request answered with an error: the answer, and the error its request record keeps."""
+
+    def __init__(self, response: JSONResponse, recorded: str):
+        super().__init__(recorded)
+        self.response, self.recorded = response, recorded
+
+
+def refused(status: int, message: str, kind: str = "invalid_request_error", headers: dict | None = None) -> Refused:
+    return Refused(refuse(status, message, kind, headers), message[:500])
+
+
+def checked_header(request: Request, name: str, adapter: TypeAdapter) -> str | None:
+    value = request.headers.get(name)
+    if value is not None:
+        try:
+            adapter.validate_python(value)
+        except ValidationError as error:
+            raise refused(400, f"{name}: {error.errors()[0]['msg']}") from None
+    return value
+
+
+class InFlight:
+    """One request's place in its replica's in-flight count, given back exactly once,
+    whatever path the request takes."""
+
+    def __init__(self, router: Router, replica: Replica):
+        self.counts, self.name = router.inflight, replica.name
+        self.counts[self.name] += 1
+        self.held = True
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self.counts[self.name] -= 1
+
+
+class Gateway:
+    """A completion request: validate, route, forward (whole or streamed), record."""
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.limiter = TenantRateLimiter(settings.serving.tenant_requests_per_s,
+                                         settings.serving.tenant_requests_burst)
+        self.router = Router(settings)
+        self.recorder = Recorder(settings)
+        self.clients: dict[str, httpx.AsyncClient] = {}  # one per replica address (a socket is a transport)
+
+    def client_for(self, replica: Replica) -> httpx.AsyncClient:
+        if replica.url not in self.clients:
+            self.clients[replica.url] = replica_async_client(replica.url, self.settings.serving.request_timeout_s)
+        return self.clients[replica.url]
+
+    async def start(self) -> None:
+        await self.recorder.start()
+        for replica in self.router.pool().replicas:  # made now, not by the first request each one answers
+            self.client_for(replica)
+
+    async def stop(self) -> None:
+        await self.recorder.stop()
+        await asyncio.gather(*(client.aclose() for client in self.clients.values()))
+
+    async def health(self) -> dict:
+        pool = self.router.pool()
         return {"ok": any(r.enabled for r in pool.replicas),
                 "replicas": [dict(r.model_dump(include={"name", "policy_version", "enabled"}),
-                                  inflight=router.inflight[r.name]) for r in pool.replicas]}
+                                  inflight=self.router.inflight[r.name]) for r in pool.replicas]}
 
-    app = service_app("liverl gateway", settings, health, lifespan)
-    limiter = TenantRateLimiter(settings.serving.tenant_requests_per_s, settings.serving.tenant_requests_burst)
-    router = Router(settings)
-    recording: set[asyncio.Task] = set()
-    clients: dict[str, httpx.AsyncClient] = {}  # one per replica address (a socket is a transport)
-
-    def client_for(replica: Replica) -> httpx.AsyncClient:
-        if replica.url not in clients:
-            clients[replica.url] = replica_async_client(replica.url, settings.serving.request_timeout_s)
-        return clients[replica.url]
-
-    def in_background(coroutine) -> None:
-        """Record after answering, and survive the client hanging up mid-stream."""
-        task = asyncio.create_task(coroutine)
-        recording.add(task)
-        task.add_done_callback(settled)
-
-    def settled(task: asyncio.Task) -> None:
-        recording.discard(task)
-        if not task.cancelled() and (error := task.exception()) is not None:
-            RECORD_FAILURES.inc()  # a recording that failed in a way nobody foresaw is still counted
-            log(logger, "recording failed", error=repr(error))
-
-    async def record(event: Trajectory | RequestRecord, topic: str, key: str) -> None:
+    async def complete(self, request: Request, caller: KeyRecord, endpoint: str, chat: bool) -> Response:
+        exchange = Exchange(endpoint, caller)
         try:
-            await asyncio.wait_for(
-                await app.state.producer.send(topic, encode(event), key=key.encode()), 10
-            )
-        except Exception as error:  # serving never fails because analytics is down
-            RECORD_FAILURES.inc()
-            log(logger, "could not record", topic=topic, error=repr(error))
+            body = await self.validate(request, exchange, chat)
+            exchange.replica = await self.route(request, body)
+            return await self.forward(body, exchange, chat)
+        except Refused as refusal:
+            await self.recorder.request(exchange, refusal.response.status_code, error=refusal.recorded)
+            return refusal.response
 
-    async def finish(
-        endpoint: str, key: KeyRecord, asked: CompletionRequest, replica: Replica, acc: Accumulator,
-        started: float, first_token: float | None, chat: bool, group_id: str | None,
-    ) -> None:
-        """Record each choice as a trajectory, and the request. A choice that cannot be
-        recorded is counted and named in the request's row, never silently lost."""
-        latency = (time.perf_counter() - started) * 1000
-        router.tokens_answered(sum(len(choice.token_ids or ()) for choice in acc.choices.values()))
-        prompt_text = json.dumps(asked.messages) if chat else str(asked.prompt)
-        # Choices sampled together for one prompt form a group unless the client named one.
-        group_id = group_id or (acc.completion_id if len(acc.choices) > 1 else None)
-        failed = []
-        for choice in acc.choices.values():
-            try:
-                trajectory = Trajectory(
-                    event_id=choice.completion_id, tenant=key.tenant, completion_id=choice.completion_id,
-                    group_id=group_id, policy_version=replica.policy_version, replica=replica.name,
-                    prompt_text=prompt_text, completion_text="".join(choice.text),
-                    prompt_token_ids=choice.prompt_token_ids or acc.prompt_token_ids,
-                    completion_token_ids=choice.token_ids, completion_logprobs=choice.logprobs,
-                    routed_experts=choice.routed_experts,
-                    sampling=SamplingParams(
-                        temperature=1.0 if asked.temperature is None else asked.temperature,
-                        top_p=1.0 if asked.top_p is None else asked.top_p,
-                        max_tokens=asked.max_tokens, seed=asked.seed,
-                    ),
-                    finish_reason=choice.finish_reason, latency_ms=latency,
-                    time_to_first_token_ms=None if first_token is None else (first_token - started) * 1000,
-                )
-            except ValidationError as error:
-                RECORD_FAILURES.inc()
-                failed.append(f"{choice.completion_id}: {error.errors()[0]['msg']}")
-                continue
-            await record(trajectory, Topics.TRAJECTORIES, choice.completion_id)
-        error = f"not recorded: {'; '.join(failed)}"[:500] if failed else None
-        await record_request(endpoint, key, 200, latency, replica, acc.completion_id, asked.stream, error)
-
-    async def record_request(
-        endpoint: str, key: KeyRecord, status: int, latency: float, replica: Replica | None,
-        completion_id: str | None, stream: bool, error: str | None = None,
-    ) -> None:
-        version = replica.policy_version if replica else None
-        REQUESTS.labels(endpoint, str(status), version or "none").inc()
-        LATENCY.labels(endpoint).observe(latency / 1000)
-        await record(RequestRecord(
-            event_id=new_id("req"), tenant=key.tenant, completion_id=completion_id,
-            policy_version=version, replica=replica.name if replica else None,
-            endpoint=endpoint, status=status, error=error, latency_ms=latency, stream=stream,
-        ), Topics.REQUESTS, completion_id or key.tenant)
-
-    async def complete(request: Request, key: KeyRecord, endpoint: str, chat: bool):
-        started = time.perf_counter()
-        stream = False
-
-        async def refused(status: int, message: str, **kwargs) -> JSONResponse:
-            await record_request(endpoint, key, status, (time.perf_counter() - started) * 1000,
-                                 None, None, stream, message[:500])
-            return refuse(status, message, **kwargs)
-
-        if wait := limiter.take(key.tenant):
-            return await refused(429, f"tenant {key.tenant!r} is over its rate limit; retry later",
-                                 kind="rate_limit_error", headers={"Retry-After": str(max(1, int(wait + 0.999)))})
+    async def validate(self, request: Request, exchange: Exchange, chat: bool) -> dict[str, Any]:
+        """The body, once the caller is within its rate and what will be recorded is valid
+        (before anything is forwarded)."""
+        tenant = exchange.caller.tenant
+        if wait := self.limiter.take(tenant):
+            raise refused(429, f"tenant {tenant!r} is over its rate limit; retry later", kind="rate_limit_error",
+                          headers={"Retry-After": str(max(1, int(wait + 0.999)))})
         try:
             body = read_json(await request.body())
         except MalformedJSON as error:
-            return await refused(400, error.detail)
+            raise refused(400, error.detail) from None
         if not isinstance(body, dict):
-            return await refused(400, "the body must be a JSON object")
+            raise refused(400, "the body must be a JSON object")
         try:
-            asked = (ChatRequest if chat else CompletionRequest).model_validate(body)
+            exchange.asked = (ChatRequest if chat else CompletionRequest).model_validate(body)
         except ValidationError as error:
             e = error.errors()[0]
-            return await refused(400, f"{'.'.join(map(str, e['loc']))}: {e['msg']}")
-        stream = asked.stream
+            raise refused(400, f"{'.'.join(map(str, e['loc']))}: {e['msg']}") from None
         # Completions sampled for one prompt (rollout groups) share this header.
-        group_id = request.headers.get("x-liverl-group-id")
-        if group_id is not None:
-            try:
-                GROUP_ID.validate_python(group_id)
-            except ValidationError as error:
-                return await refused(400, f"x-liverl-group-id: {error.errors()[0]['msg']}")
-        alias = request.headers.get("x-liverl-alias")  # a team's name for a version: only that version answers
-        if alias is not None:
-            try:
-                ALIAS.validate_python(alias)
-            except ValidationError as error:
-                return await refused(400, f"x-liverl-alias: {error.errors()[0]['msg']}")
+        exchange.group_id = checked_header(request, "x-liverl-group-id", GROUP_ID)
+        return body
+
+    async def route(self, request: Request, body: dict[str, Any]) -> Replica:
+        alias = checked_header(request, "x-liverl-alias", ALIAS)  # a team's name for a version: only it answers
+        session = request.headers.get("x-liverl-session") or body.get("user")
         try:
-            session = request.headers.get("x-liverl-session") or body.get("user")
-            replica = await router.pick(str(session) if session is not None else None, alias)
+            return await self.router.pick(str(session) if session is not None else None, alias)
         except NoReplica as error:
-            return await refused(503, str(error), kind="service_unavailable")
+            raise refused(503, str(error), kind="service_unavailable") from None
         except Unroutable as error:
-            return await refused(error.status, str(error))
-        completion_id = new_id("cmpl")
-        http = client_for(replica)
-        path = f"/v1/{'chat/completions' if chat else 'completions'}"
-        headers = {"x-liverl-policy-version": replica.policy_version, "x-liverl-completion-id": completion_id,
-                   "x-liverl-replica": replica.name}
-        forwarded = http.build_request("POST", path, json=upstream_body(body, chat))
-        router.inflight[replica.name] += 1
-        released = False
+            raise refused(error.status, str(error)) from None
 
-        def release() -> None:  # exactly once, whatever path the request takes
-            nonlocal released
-            if not released:
-                released = True
-                router.inflight[replica.name] -= 1
-
+    async def forward(self, body: dict[str, Any], exchange: Exchange, chat: bool) -> Response:
+        replica = exchange.replica
+        gathered = Accumulator(new_id("cmpl"))
+        headers = {"x-liverl-policy-version": replica.policy_version,
+                   "x-liverl-completion-id": gathered.completion_id, "x-liverl-replica": replica.name}
+        http = self.client_for(replica)
+        forwarded = http.build_request("POST", f"/v1/{'chat/completions' if chat else 'completions'}",
+                                       json=upstream_body(body, chat))
+        in_flight = InFlight(self.router, replica)
         try:
             upstream = await http.send(forwarded, stream=True)
         except httpx.HTTPError as error:
-            release()
-            latency = (time.perf_counter() - started) * 1000
-            await record_request(endpoint, key, 502, latency, replica, None, stream, repr(error))
-            return refuse(502, f"replica {replica.name} failed: {error!r}", "upstream_error")
+            in_flight.release()
+            raise Refused(refuse(502, f"replica {replica.name} failed: {error!r}", "upstream_error"),
+                          repr(error)) from None
         except BaseException:
-            release()
+            in_flight.release()
             raise
         if upstream.status_code != 200:
             try:
                 content = await upstream.aread()
             finally:
                 await upstream.aclose()
-                release()
-            latency = (time.perf_counter() - started) * 1000
-            await record_request(endpoint, key, upstream.status_code, latency, replica, None, stream,
-                                 content.decode(errors="replace")[:500])
-            return upstream_error(upstream.status_code, content, headers)
+                in_flight.release()
+            raise Refused(upstream_error(upstream.status_code, content, headers),
+                          content.decode(errors="replace")[:500])
+        if exchange.stream:
+            return StreamingResponse(self.relay(upstream, in_flight, body, exchange, gathered, chat),
+                                     media_type="text/event-stream", headers=headers)
+        return await self.whole(upstream, in_flight, body, exchange, gathered, chat, headers)
 
-        acc = Accumulator(completion_id)
-        if not stream:
-            try:
-                payload = json.loads(await upstream.aread())
-                acc.add(payload, chat)
-            except (ValueError, TypeError, AttributeError) as error:
-                await record_request(endpoint, key, 502, (time.perf_counter() - started) * 1000, replica,
-                                     None, stream, f"unreadable replica answer: {error!r}"[:500])
-                return refuse(502, f"replica {replica.name} answered something unreadable", "upstream_error")
-            finally:
-                await upstream.aclose()
-                release()
-            payload["id"] = completion_id
-            payload["completion_id"] = completion_id
-            payload["model"] = body.get("model", SERVED_MODEL_NAME)
-            payload["choices"] = [client_view(c, body, chat) for c in payload.get("choices", [])]
-            payload.pop("prompt_token_ids", None)
-            in_background(finish(endpoint, key, asked, replica, acc, started, None, chat, group_id))
-            return JSONResponse(payload, headers=headers)
+    async def whole(self, upstream: httpx.Response, in_flight: InFlight, body: dict[str, Any], exchange: Exchange,
+                    gathered: Accumulator, chat: bool, headers: dict[str, str]) -> JSONResponse:
+        try:
+            payload = json.loads(await upstream.aread())
+            gathered.add(payload, chat)
+        except (ValueError, TypeError, AttributeError) as error:
+            raise Refused(refuse(502, f"replica {exchange.replica.name} answered something unreadable",
+                                 "upstream_error"), f"unreadable replica answer: {error!r}"[:500]) from None
+        finally:
+            await upstream.aclose()
+            in_flight.release()
+        self.record(exchange, gathered, first_token=None)
+        return JSONResponse(for_client(payload, body, gathered.completion_id, chat), headers=headers)
 
-        async def relay() -> AsyncIterator[bytes]:
-            first_token = None
-            try:
-                async for line in upstream.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[6:])
-                    acc.add(chunk, chat)
-                    first_token = first_token or time.perf_counter()
-                    if not chunk.get("choices") and not body.get("stream_options"):
-                        continue  # the usage chunk we asked for, the client did not
-                    chunk.update(id=completion_id, completion_id=completion_id,
-                                 model=body.get("model", SERVED_MODEL_NAME))
-                    chunk["choices"] = [client_view(c, body, chat) for c in chunk.get("choices", [])]
-                    chunk.pop("prompt_token_ids", None)
-                    yield f"data: {json.dumps(chunk)}\n\n".encode()
-                yield b"data: [DONE]\n\n"
-            finally:
-                await upstream.aclose()
-                release()
-                in_background(finish(endpoint, key, asked, replica, acc, started, first_token, chat, group_id))
+    async def relay(self, upstream: httpx.Response, in_flight: InFlight, body: dict[str, Any], exchange: Exchange,
+                    gathered: Accumulator, chat: bool) -> AsyncIterator[bytes]:
+        first_token = None
+        try:
+            async for line in upstream.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                gathered.add(chunk, chat)
+                first_token = first_token or time.perf_counter()
+                if not chunk.get("choices") and not body.get("stream_options"):
+                    continue  # the usage chunk we asked for, the client did not
+                yield f"data: {json.dumps(for_client(chunk, body, gathered.completion_id, chat))}\n\n".encode()
+            yield b"data: [DONE]\n\n"
+        finally:
+            await upstream.aclose()
+            in_flight.release()
+            self.record(exchange, gathered, first_token)
 
-        return StreamingResponse(relay(), media_type="text/event-stream", headers=headers)
+    def record(self, exchange: Exchange, gathered: Accumulator, first_token: float | None) -> None:
+        self.router.tokens_answered(gathered.tokens())
+        self.recorder.later(self.recorder.completion(exchange, gathered, first_token))
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or get_settings()
+    gateway = Gateway(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await gateway.start()
+        yield
+        await gateway.stop()
+
+    app = service_app("liverl gateway", settings, gateway.health, lifespan)
 
     @app.post("/v1/completions", openapi_extra=request_schema(CompletionRequest))
-    async def completions(request: Request, key: KeyRecord = Depends(require_key)):
-        return await complete(request, key, "completions", chat=False)
+    async def completions(request: Request, caller: KeyRecord = Depends(require_key)):
+        return await gateway.complete(request, caller, "completions", chat=False)
 
     @app.post("/v1/chat/completions", openapi_extra=request_schema(ChatRequest))
-    async def chat_completions(request: Request, key: KeyRecord = Depends(require_key)):
-        return await complete(request, key, "chat/completions", chat=True)
+    async def chat_completions(request: Request, caller: KeyRecord = Depends(require_key)):
+        return await gateway.complete(request, caller, "chat/completions", chat=True)
 
     @app.get("/v1/models")
-    async def models(key: KeyRecord = Depends(require_key)) -> dict:
-        versions = sorted({r.policy_version for r in router.pool().replicas})
+    async def models(caller: KeyRecord = Depends(require_key)) -> dict:
+        versions = sorted({r.policy_version for r in gateway.router.pool().replicas})
         return {"object": "list", "data": [
             {"id": SERVED_MODEL_NAME, "object": "model", "owned_by": "liverl", "versions": versions}
         ]}
 
     @app.get("/admin/load")
-    async def load(key: KeyRecord = Depends(require_admin)) -> GatewayLoad:
+    async def load(caller: KeyRecord = Depends(require_admin)) -> GatewayLoad:
         """Production requests in flight per replica, waiting, routed per second, tokens per second."""
-        return router.load()
+        return gateway.router.load()
 
     return app
 
