@@ -107,7 +107,7 @@ class ShardWriter:
         os.ftruncate(self._fd, self._data_start + end)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
-        data = memoryview(bits(tensor)).cast("B")
+        data = bits(tensor).data.cast("B")  # the array's memoryview
         if len(data) != self._sizes[name]:
             raise ValueError(f"{name}: {len(data)} bytes, the header says {self._sizes[name]}")
         offset = self._data_start + self._offsets[name]

@@ -7,7 +7,6 @@ import time
 from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.console import Console
@@ -44,9 +43,9 @@ def encode(
     old_dir: Path = typer.Argument(..., exists=True, help="The base checkpoint directory."),
     new_dir: Path = typer.Argument(..., exists=True, help="The target checkpoint directory."),
     output: Path = typer.Option(..., "--output", "-o", help="The delta file to write."),
-    base_version: Optional[str] = typer.Option(None, help="Name of the base (default: OLD_DIR's name)."),
-    target_version: Optional[str] = typer.Option(None, help="Name of the target (default: NEW_DIR's name)."),
-    threads: Optional[int] = Threads,
+    base_version: str | None = typer.Option(None, help="Name of the base (default: OLD_DIR's name)."),
+    target_version: str | None = typer.Option(None, help="Name of the target (default: NEW_DIR's name)."),
+    threads: int | None = Threads,
     format: int = typer.Option(LATEST_FORMAT, "--format", min=min(FORMATS), max=max(FORMATS),
                                help="Delta format (1 for replicas that read no other)."),
 ) -> None:
@@ -68,9 +67,9 @@ def apply(
     old_dir: Path = typer.Argument(..., exists=True, help="The base checkpoint directory."),
     delta: Path = typer.Argument(..., exists=True, dir_okay=False, help="The delta file."),
     output: Path = typer.Option(..., "--output", "-o", help="The checkpoint directory to create."),
-    expected_base: Optional[str] = typer.Option(
+    expected_base: str | None = typer.Option(
         None, help="Refuse the delta unless it names this base version."),
-    threads: Optional[int] = Threads,
+    threads: int | None = Threads,
 ) -> None:
     """Rebuild the target checkpoint from OLD_DIR and DELTA into a new directory, bit for bit."""
     with _errors():
@@ -134,7 +133,7 @@ DataDir = typer.Option(None, "--data-dir", envvar="LIVERL_DATA_DIR", help="State
 
 
 @sync_app.command("status")
-def sync_status(data_dir: Optional[Path] = DataDir) -> None:
+def sync_status(data_dir: Path | None = DataDir) -> None:
     """Each replica's version, what is pending, bytes shipped and the ratio achieved;
     then what the delta store holds."""
     from liverl.manifest import running_settings
@@ -172,7 +171,7 @@ def sync_status(data_dir: Optional[Path] = DataDir) -> None:
 
 
 @sync_app.command("gc")
-def sync_gc(data_dir: Optional[Path] = DataDir) -> None:
+def sync_gc(data_dir: Path | None = DataDir) -> None:
     """Remove store objects and registry weights older than `sync.keep_versions` that no
     replica, alias or rollback target needs."""
     from liverl.manifest import running_settings

@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 import math
 import threading
 from collections.abc import Iterator
+from typing import Any, Literal
 
 import numba
 import numpy as np
@@ -55,7 +57,7 @@ def keep_freed_memory() -> None:
     mallopt(-1, 64 << 20)  # M_TRIM_THRESHOLD
 
 
-def encode_change(old: np.ndarray | None, new: np.ndarray) -> tuple[str, int, list[bytes]]:
+def encode_change(old: np.ndarray | None, new: np.ndarray) -> tuple[Literal["dense", "sparse"], int, list[bytes]]:
     """(coding, number of changed values, compressed streams) of `new - old`.
 
     `old` and `new` are same-length signed integer arrays of bit patterns; `old=None`
@@ -148,7 +150,7 @@ def _join(planes: list[bytes], dtype: np.dtype) -> np.ndarray:
 
 
 def _compress(streams: list[np.ndarray]) -> list[bytes]:
-    return [_compressor().compress(np.ascontiguousarray(s)) for s in streams]
+    return [_compressor().compress(np.ascontiguousarray(s).data) for s in streams]
 
 
 def _compressor() -> zstandard.ZstdCompressor:
@@ -229,7 +231,7 @@ def context_classes(dtype: str, old: np.ndarray, new: np.ndarray) -> tuple[list[
     groups = [[int(e), int(members[e]), int(changes[e])] for e in np.flatnonzero(members[:top])]
     while len(groups) > MAX_CLASSES - 1:
         losses = [_mask_bits(a[1] + b[1], a[2] + b[2]) - _mask_bits(a[1], a[2]) - _mask_bits(b[1], b[2])
-                  for a, b in zip(groups, groups[1:])]
+                  for a, b in itertools.pairwise(groups)]
         i = int(np.argmin(losses))
         groups[i:i + 2] = [[groups[i][0], groups[i][1] + groups[i + 1][1], groups[i][2] + groups[i + 1][2]]]
     groups.append([top, int(members[top:].sum()), int(changes[top:].sum())])
@@ -296,9 +298,11 @@ def decode_context(dtype: str, bounds: list[int], dense: list[bool], streams: li
     data = np.concatenate([*gaps, *pairs])
     escaped = np.frombuffer(b"".join(escapes) + bytes(unsigned.itemsize), unsigned)  # a spare 0
     cursors = np.zeros((len(dense), _CURSORS), np.int64)
-    for column, end_column, lengths, before in [(_GAP, _GAP_END, [len(g) for g in gaps], 0),
-                                                (_NIBBLE, _NIBBLE_END, [2 * len(p) for p in pairs], 2 * len(data) - 2 * sum(map(len, pairs))),
-                                                (_ESCAPE, _ESCAPE_END, [len(e) // unsigned.itemsize for e in escapes], 0)]:
+    nibbles_before = 2 * len(data) - 2 * sum(map(len, pairs))
+    for column, end_column, lengths, before in [
+            (_GAP, _GAP_END, [len(g) for g in gaps], 0),
+            (_NIBBLE, _NIBBLE_END, [2 * len(p) for p in pairs], nibbles_before),
+            (_ESCAPE, _ESCAPE_END, [len(e) // unsigned.itemsize for e in escapes], 0)]:
         cursors[:, end_column] = before + np.cumsum(lengths)
         cursors[:, column] = cursors[:, end_column] - lengths
     for c, is_dense in enumerate(dense):
@@ -315,12 +319,12 @@ def decode_context(dtype: str, bounds: list[int], dense: list[bool], streams: li
             raise ValueError(_APPLY_ERRORS[error])
         yield part
     # Every stream read to its end; a class's codes may end in one padding code of 0.
-    c = cursors
-    padding = c[:, _NIBBLE_END] - c[:, _NIBBLE]
-    if (c[:, _ESCAPE] != c[:, _ESCAPE_END]).any():
+    k = cursors
+    padding = k[:, _NIBBLE_END] - k[:, _NIBBLE]
+    if (k[:, _ESCAPE] != k[:, _ESCAPE_END]).any():
         raise ValueError("escaped differences do not match their stream")
-    if ((c[:, _GAP] != c[:, _GAP_END]) | (c[:, _ADDRESS] != _NO_ADDRESS) | (padding > 1)).any() or (
-            data[c[padding == 1, _NIBBLE] // 2] >> 4).any():
+    if ((k[:, _GAP] != k[:, _GAP_END]) | (k[:, _ADDRESS] != _NO_ADDRESS) | (padding > 1)).any() or (
+            data[k[padding == 1, _NIBBLE] // 2] >> 4).any():
         raise ValueError("context streams are longer than the tensor")
 
 
@@ -333,7 +337,7 @@ def decode_context(dtype: str, bounds: list[int], dense: list[bool], streams: li
 # (twice the time). nogil: the encoder's threads run side by side. cache: compiled once
 # per machine and element width (on 2 busy cores: 5 s for the encoder, 0.7 s for the
 # decoder; 0.25 s and 0.01 s from the cache), not at each process's first delta.
-_JIT = {"nogil": True, "cache": True}
+_JIT: dict[str, Any] = {"nogil": True, "cache": True}
 
 
 @numba.njit(**_JIT)
@@ -534,7 +538,7 @@ def _code_streams(codes: np.ndarray) -> list[bytes]:
 
 
 def _pack(data: np.ndarray) -> bytes:
-    return _compressor().compress(np.ascontiguousarray(data)) if len(data) else b""
+    return _compressor().compress(np.ascontiguousarray(data).data) if len(data) else b""
 
 
 def _unpack(stream: bytes) -> bytes:

@@ -191,7 +191,7 @@ def encode_delta(old: Tensors | Path, new: Tensors | Path, out: Path | BinaryIO,
         offset = len(MAGIC)
         work = lambda name: _encode_tensor(name, old.get(name), new[name], format)  # noqa: E731
         for entry, blobs in _ordered(pool, work, list(new), 2 * threads):
-            for chunk, blob in zip(entry.chunks, blobs):
+            for chunk, blob in zip(entry.chunks, blobs, strict=True):
                 chunk.offset, offset = offset, offset + sink.write(blob)
             entry.file = new.file_of[entry.name] if isinstance(new, Checkpoint) else None
             tensors.append(entry)
@@ -204,7 +204,8 @@ def encode_delta(old: Tensors | Path, new: Tensors | Path, out: Path | BinaryIO,
                                    blob=Blob(offset=offset, length=len(blob), hash=_hash(blob))))
             offset += sink.write(blob)
         manifest = DeltaManifest(
-            format=2 if any(t.context for t in tensors) else 1, base_version=base_version, target_version=target_version,
+            format=2 if any(t.context for t in tensors) else 1,
+            base_version=base_version, target_version=target_version,
             digest=_digest((t.name, t.dtype, t.shape, t.hash) for t in tensors),
             chunk_values=CHUNK_VALUES, tensors=tensors,
             removed=[name for name in old if name not in new],
@@ -218,23 +219,23 @@ def encode_delta(old: Tensors | Path, new: Tensors | Path, out: Path | BinaryIO,
 def _encode_tensor(name: str, old: torch.Tensor | None, new: torch.Tensor,
                    format: int) -> tuple[TensorEntry, list[bytes]]:
     comparable = old is not None and old.dtype == new.dtype and old.shape == new.shape
-    new_bits, old_bits = bits(new), bits(old) if comparable else None
+    new_bits, old_bits = bits(new), bits(old) if comparable and old is not None else None
     if format >= 2 and old_bits is not None:
         return _encode_in_context(name, old_bits, new_bits, new)
     new_hash, old_hash = blake3.blake3(), blake3.blake3()
     chunks, blobs = [], []
     for start in range(0, len(new_bits), CHUNK_VALUES):
         part = slice(start, start + CHUNK_VALUES)
-        new_hash.update(new_bits[part].view(np.uint8))
+        new_hash.update(new_bits[part].view(np.uint8).data)
         if old_bits is not None:
-            old_hash.update(old_bits[part].view(np.uint8))
+            old_hash.update(old_bits[part].view(np.uint8).data)
         coding, changed, streams = encode_change(None if old_bits is None else old_bits[part], new_bits[part])
         blob = b"".join(streams)
         chunks.append(Chunk(offset=0, length=len(blob), hash=_hash(blob), coding=coding,
                             changed=changed, streams=[len(s) for s in streams]))
         blobs.append(blob)
     changed = sum(c.changed for c in chunks)
-    encoding = "full" if old_bits is None else "delta" if changed else "same"
+    encoding: Literal["full", "delta", "same"] = "full" if old_bits is None else "delta" if changed else "same"
     if encoding == "same":
         chunks, blobs = [], []
     entry = TensorEntry(name=name, dtype=dtype_name(new.dtype), shape=list(new.shape),
@@ -254,8 +255,8 @@ def _encode_in_context(name: str, old_bits: np.ndarray, new_bits: np.ndarray,
     changed = 0
     for start in range(0, len(new_bits), CONTEXT_CHUNK_VALUES):
         part = slice(start, start + CONTEXT_CHUNK_VALUES)
-        new_hash.update(new_bits[part].view(np.uint8))
-        old_hash.update(old_bits[part].view(np.uint8))
+        new_hash.update(new_bits[part].view(np.uint8).data)
+        old_hash.update(old_bits[part].view(np.uint8).data)
         changed += coder.add(old_bits[part], new_bits[part])
     chunks, blobs, context = [], [], None
     if changed:
@@ -278,7 +279,8 @@ def _changed_files(old: Tensors, new: Tensors) -> tuple[list[tuple[str, bytes]],
     carried = []
     for path in new.other_files():
         content = (new.path / path).read_bytes()
-        if path not in old_files or (old.path / path).read_bytes() != content:
+        # A path in old_files is one of the base checkpoint's.
+        if path not in old_files or not isinstance(old, Checkpoint) or (old.path / path).read_bytes() != content:
             carried.append((path, content))
     return carried, sorted(old_files - set(new.other_files()))
 
@@ -400,7 +402,7 @@ def _decode_tensor(entry: TensorEntry, old: Tensors, fd: int, chunk_values: int)
     out_hash = blake3.blake3()
     try:
         for part in _decoded_parts(entry, base_bits, out_bits, fd, chunk_values):
-            out_hash.update(out_bits[part].view(np.uint8))
+            out_hash.update(out_bits[part].view(np.uint8).data)
     except (ValueError, IndexError, zstandard.ZstdError) as error:  # hash-valid but malformed
         raise CorruptDeltaError(f"{entry.name} cannot be decoded: {error}") from error
     if out_hash.hexdigest() != entry.hash:

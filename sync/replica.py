@@ -82,16 +82,16 @@ def plan(records: dict[str, VersionRecord], local: set[str], target: str) -> Pla
     """The fewest bytes that rebuild `target`: deltas from a version held locally, or the
     nearest snapshot on the target's lineage and the deltas after it."""
     lineage = [target]  # target, its parent, ..., back to the oldest version with a record
-    while lineage[-1] in records and records[lineage[-1]].parent and len(lineage) <= len(records):
-        lineage.append(records[lineage[-1]].parent)
+    while lineage[-1] in records and (parent := records[lineage[-1]].parent) and len(lineage) <= len(records):
+        lineage.append(parent)
     best: Plan | None = None
     chain: list[Step] = []  # deltas from lineage[i] to the target, oldest first
     for i, version in enumerate(lineage):
         options = []
         if version in local:
             options.append(Plan(base=version, steps=chain))
-        if version in records and records[version].snapshot:
-            snapshot = Step(base=None, target=version, object=records[version].snapshot)
+        if version in records and (stored := records[version].snapshot):
+            snapshot = Step(base=None, target=version, object=stored)
             options.append(Plan(base=None, steps=[snapshot] + chain))
         for option in options:  # a local chain first: equal cost, nothing to download twice
             if best is None or option.cost < best.cost:
@@ -182,6 +182,7 @@ class ReplicaSync:
                     shutil.rmtree(current)  # an intermediate version, no longer needed
                 current = out
                 crash_point("sync.apply_step")
+            assert current is not None, "a plan has a local base or at least one step"
             started = time.perf_counter()
             if state_digest(current) != record.digest:
                 raise SyncError(f"{record.version}: the rebuilt weights do not match the record's digest")

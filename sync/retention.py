@@ -74,8 +74,8 @@ def retained(records: dict[str, VersionRecord], keep_versions: int, needs: Needs
     snapshots: set[str] = set()
     for version in wanted:
         lineage = [version]  # back to the oldest record, and its parent (held, maybe, without one)
-        while lineage[-1] in records and records[lineage[-1]].parent and len(lineage) <= len(records):
-            lineage.append(records[lineage[-1]].parent)
+        while lineage[-1] in records and (parent := records[lineage[-1]].parent) and len(lineage) <= len(records):
+            lineage.append(parent)
         anchor = next((i for i, v in enumerate(lineage) if v in records and records[v].snapshot), None)
         if anchor is not None:
             snapshots.add(lineage[anchor])
