@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import math
 import uuid
-from datetime import datetime, timezone
-from typing import Annotated, Any, Literal, Union
+from datetime import UTC, datetime
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     AwareDatetime,
@@ -44,7 +44,7 @@ class Topics:
 
 
 def utcnow() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 def new_id(prefix: str) -> str:
@@ -131,15 +131,16 @@ class Trajectory(Strict):
         """Whether it trains from its turns: only if every turn has its token ids. Otherwise
         the turns are a record of the conversation (an SDK may send them so, with ids on the
         policy's turns alone), and it trains as prompt + completion (learner/segments.py)."""
-        return bool(self.turns) and all(turn.token_ids for turn in self.turns)
+        return bool(self.turns and all(turn.token_ids for turn in self.turns))
 
     def token_counts(self) -> tuple[int, int]:
         """(tokens read, tokens written): prompt and completion, or over a multi-turn
         trajectory's turns, the policy's own turns written and every other turn read."""
-        if not self.multi_turn():
+        turns = self.turns
+        if turns is None or not self.multi_turn():
             return len(self.prompt_token_ids), len(self.completion_token_ids)
-        written = sum(len(t.token_ids or []) for t in self.turns if t.role in WRITTEN_ROLES)
-        return sum(len(t.token_ids or []) for t in self.turns) - written, written
+        written = sum(len(t.token_ids or []) for t in turns if t.role in WRITTEN_ROLES)
+        return sum(len(t.token_ids or []) for t in turns) - written, written
 
     @model_validator(mode="after")
     def _sized_groups_are_named(self):
@@ -160,7 +161,9 @@ class Architecture(BaseModel):
     @classmethod
     def of(cls, config) -> Architecture:
         """From an HF config (object or config.json dict) of a causal LM, MoE or dense."""
-        get = config.get if isinstance(config, dict) else lambda name: getattr(config, name, None)
+        def get(name: str) -> Any:
+            return config.get(name) if isinstance(config, dict) else getattr(config, name, None)
+
         # config.json spells the expert count as Mixtral does, the loaded config as Qwen3-MoE.
         experts = get("num_experts") or get("num_local_experts") or 0
         # Qwen2/3-MoE may keep some layers dense: every decoder_sparse_step-th layer not
@@ -256,7 +259,7 @@ class OutcomeBody(Strict):
 
 
 FeedbackBody = Annotated[
-    Union[AcceptBody, RejectBody, ThumbsBody, ScoreBody, EditBody, OutcomeBody],
+    AcceptBody | RejectBody | ThumbsBody | ScoreBody | EditBody | OutcomeBody,
     Field(discriminator="kind"),
 ]
 

@@ -11,7 +11,7 @@ import json
 import os
 import secrets
 import threading
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Literal
 
@@ -94,7 +94,7 @@ class KeyStore:
             tenant=tenant,
             role=role,
             scopes=scopes or ["feedback"],
-            created_at=datetime.now(timezone.utc),
+            created_at=datetime.now(UTC),
             label=label,
         )
         with self._lock:
@@ -113,7 +113,7 @@ class KeyStore:
             for digest, record in records.items():
                 if record.key_id == key_id:
                     records[digest] = record.model_copy(
-                        update={"revoked_at": datetime.now(timezone.utc)}
+                        update={"revoked_at": datetime.now(UTC)}
                     )
                     self._save(records)
                     return records[digest]

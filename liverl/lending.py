@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import tempfile
 from collections import deque
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Literal
 
@@ -86,7 +86,7 @@ def hold_lending(settings: Settings, audit: AuditLog, actor: str, verb: Literal[
     """On-call's pause (the scheduler takes every lent replica back at its next look and
     lends none until resumed) or resume, audited as `capacity.pause|resume`. A pause answers
     once no replica is lent, or after `wait_s` with those still lent (the scheduler down)."""
-    set_pause(settings, LendingPause(actor=actor, reason=reason, at=datetime.now(timezone.utc))
+    set_pause(settings, LendingPause(actor=actor, reason=reason, at=datetime.now(UTC))
               if verb == "pause" else None)
     audit.record(actor, f"capacity.{verb}", "capacity", reason, **details)
     if verb == "pause":
