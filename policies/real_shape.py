@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3MoeConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, Qwen3MoeConfig
 
 # Qwen3-30B-A3B's config.json, less the layer count (48) and what only long contexts need.
-QWEN3_30B_A3B = dict(
+QWEN3_30B_A3B: dict[str, Any] = dict(
     hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_attention_heads=32,
     num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
     vocab_size=151936, rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=4096,
@@ -43,7 +44,7 @@ def parameter_count(config: Qwen3MoeConfig) -> int:
 
 
 def random_model(config: Qwen3MoeConfig, seed: int, dtype: torch.dtype = torch.bfloat16,
-                 device: str = "cpu") -> torch.nn.Module:
+                 device: str = "cpu") -> PreTrainedModel:
     """The model of `config` with seeded random weights, in `dtype` on `device`."""
     torch.manual_seed(seed)
     with torch.device(device):

@@ -17,9 +17,10 @@ import shutil
 import sqlite3
 import stat
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Literal
+from typing import Literal
 
 from pydantic import BaseModel, Field
 
@@ -230,7 +231,7 @@ class Registry:
 
     def last_rewind(self) -> Rewind | None:
         row = self.db.execute("SELECT * FROM rewinds ORDER BY id DESC LIMIT 1").fetchone()
-        return Rewind(**dict(zip(Rewind.model_fields, row))) if row else None
+        return Rewind(**dict(zip(Rewind.model_fields, row, strict=True))) if row else None
 
     def head(self) -> PolicyVersion | None:
         """The version the learner continues from: the newest, unless it was trained
@@ -244,7 +245,7 @@ class Registry:
         query = "SELECT version, at, from_state, to_state, actor, reason FROM events"
         rows = self.db.execute(query + (" WHERE version = ?" if version else "") + " ORDER BY id",
                                (version,) if version else ())
-        return [dict(zip(("version", "at", "from", "to", "actor", "reason"), r)) for r in rows]
+        return [dict(zip(("version", "at", "from", "to", "actor", "reason"), r, strict=True)) for r in rows]
 
     def offsets(self, cluster_id: str) -> dict[str, int]:
         rows = self.db.execute(
@@ -324,7 +325,7 @@ class Registry:
     def pins(self) -> list[Pin]:
         """Every pin and unpin, oldest first."""
         rows = self.db.execute("SELECT alias, version, at, actor, reason, pinned FROM pins ORDER BY id")
-        return [Pin(**dict(zip(("alias", "version", "at", "actor", "reason", "pinned"), r))) for r in rows]
+        return [Pin(**dict(zip(("alias", "version", "at", "actor", "reason", "pinned"), r, strict=True))) for r in rows]
 
     def move_alias(self, alias: str, version: str | None, actor: str, reason: str) -> AliasMove:
         """Point a team's alias at a version (None removes it); each move is kept. `stable`
@@ -345,7 +346,7 @@ class Registry:
     def alias_moves(self) -> list[AliasMove]:
         """Every move of a team's alias, oldest first."""
         rows = self.db.execute("SELECT alias, version, at, actor, reason FROM aliases ORDER BY id")
-        return [AliasMove(**dict(zip(("alias", "version", "at", "actor", "reason"), r))) for r in rows]
+        return [AliasMove(**dict(zip(("alias", "version", "at", "actor", "reason"), r, strict=True))) for r in rows]
 
     def aliases(self) -> dict[str, str]:
         """The teams' aliases now: alias -> version."""
@@ -385,7 +386,9 @@ class Registry:
             latest = db.execute("SELECT max(seq) FROM versions").fetchone()[0]
             db.execute("INSERT INTO rewinds (version, at, after_seq, actor, reason) VALUES (?,?,?,?,?)",
                        (version, time.time(), latest, actor, reason))
-        return self.last_rewind()
+        rewind = self.last_rewind()
+        assert rewind is not None, "the rewind just inserted"
+        return rewind
 
     def drop_weights(self, version: str, reason: str) -> None:
         """Delete a version's weights directory; its record, lineage and history stay."""

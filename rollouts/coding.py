@@ -21,8 +21,8 @@ from __future__ import annotations
 import ast
 import builtins
 import gzip
-import keyword
 import json
+import keyword
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass

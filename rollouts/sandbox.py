@@ -307,6 +307,7 @@ def run_tests(solution: str, cases: Sequence[Case], limits: SandboxLimits = Sand
     finally:
         os.close(answers_out)
         _kill(child)
+        assert child.stderr is not None, "started with stderr=PIPE"
         child.stderr.close()
 
 
@@ -341,14 +342,16 @@ def _score(child: subprocess.Popen, answers: _Answers, cases: Sequence[Case], li
     ready = answers.line(time.monotonic() + _STARTUP_S)
     if ready != b'{"ready": true}':
         _kill(child)
-        raise SandboxUnavailable(f"the sandbox did not start ({ready!r}): {child.stderr.read(4096).decode(errors='replace')}")
+        assert child.stderr is not None, "started with stderr=PIPE"
+        stderr = child.stderr.read(4096).decode(errors='replace')
+        raise SandboxUnavailable(f"the sandbox did not start ({ready!r}): {stderr}")
     deadline = time.monotonic() + limits.wall_s
     passed, errors = 0, set()
     for index, case in enumerate(cases):
         line = answers.line(deadline)
         if line == _EOF:
             return Verdict(passed, len(cases), "timeout" if _killed_by_cpu_limit(child, limits) else "crashed")
-        if line in (_TIMEOUT, _TOO_LONG):
+        if isinstance(line, str):  # _TIMEOUT or _TOO_LONG
             return Verdict(passed, len(cases), "answer too large" if line == _TOO_LONG else "timeout")
         answer = _answer(line, index)
         if answer is None:

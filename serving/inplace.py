@@ -53,8 +53,8 @@ import os
 import re
 import struct
 import time
-from collections.abc import Iterable, Mapping
-from typing import NamedTuple
+from collections.abc import Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 # A change whose module-complete tensors hold more than this share of the weights'
 # bytes is loaded whole: the partial path would cost about as much and the full one is
@@ -187,7 +187,7 @@ def module_groups(names: Iterable[str], packed: Mapping[str, list[str]] | None =
 
 # --- the worker's side of a load ------------------------------------------------------------
 @contextlib.contextmanager
-def _prepack_on_weight_update():
+def _prepack_on_weight_update() -> Iterator[list[str]]:
     """Make UnquantizedFusedMoEMethod._setup_kernel re-run the experts'
     process_weights_after_loading (CPU pad + prepack) on weight updates too."""
     from vllm.model_executor.layers.fused_moe import unquantized_fused_moe_method as m
@@ -279,6 +279,12 @@ class PartialLoadError(RuntimeError):
 class InplaceWeightsExtension:
     """Mixed into vLLM's worker class (``--worker-extension-cls``); methods are
     callable through ``POST /collective_rpc``."""
+
+    if TYPE_CHECKING:  # what the vLLM worker this is mixed into has (vLLM is not in this env)
+        vllm_config: Any
+        model_runner: Any
+
+        def reload_weights(self, *args: Any, **kwargs: Any) -> Any: ...
 
     def _inplace_reference(self) -> dict[str, TensorInfo]:
         ref = getattr(self, "_inplace_ref_tensors", None)

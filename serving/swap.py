@@ -37,6 +37,7 @@ import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 from pydantic import BaseModel, Field
@@ -106,7 +107,7 @@ def probe_diff(url: str, model_dir: Path) -> float:
         if len(served) != len(expected) or len(expected) != len(probe["token_ids"]) - 1:
             raise VerificationFailed(f"the probe has {len(expected)} logprobs, the replica answered {len(served)}")
         return max(abs(entry[str(token)]["logprob"] - want)
-                   for token, want, entry in zip(probe["token_ids"][1:], expected, served))
+                   for token, want, entry in zip(probe["token_ids"][1:], expected, served, strict=True))
 
     # All at once, so the engine can batch them while the replica is out of rotation.
     with replica_client(url, timeout=60) as http, ThreadPoolExecutor(max(len(probes), 1)) as pool:
@@ -169,9 +170,8 @@ def partial_plan(http: httpx.Client, model_dir: Path) -> tuple[dict, str | None]
     from what the replica holds, hashed here while it serves on), or none and why."""
     served = rpc(http, "inplace_served")
     paths = {(answer or {}).get("path") for answer in served}
-    if len(paths) != 1 or None in paths:
+    if len(paths) != 1 or (base := next(iter(paths))) is None:
         return {}, f"the replica holds {sorted(map(str, paths))}"
-    base = paths.pop()
     if not Path(base).is_dir():
         return {}, f"the replica's weights directory {base} is gone"
     changed = changed_tensors(base, model_dir)
@@ -196,7 +196,7 @@ def load_in_place(url: str, model_dir: Path) -> dict[str, float]:
     steps = LoadSteps()
     steps.worker = {}
 
-    def step(name: str, path: str, **request: object) -> httpx.Response:
+    def step(name: str, path: str, **request: Any) -> httpx.Response:
         t = time.perf_counter()
         response = http.post(path, **request).raise_for_status()
         steps[name] = time.perf_counter() - t
