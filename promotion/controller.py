@@ -31,36 +31,24 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Literal, TypeVar
 
 import httpx
-from fastapi import FastAPI, HTTPException, Query
-from pydantic import BaseModel, Field
 
-from liverl.audit import Reason
-from liverl.contracts import AliasName, VersionName
-from liverl.http import service_app
-from liverl.keys import KeyRecord, admin_headers
-from liverl.lending import hold_lending
+from liverl.keys import admin_headers
 from liverl.load import read_gateway_load
 from liverl.observability import log, setup_logging
 from liverl.pool import promotion_lock, read_pool
-from liverl.process import serve_beside
 from liverl.settings import Settings, get_settings
-from policies.importer import import_version
-from policies.registry import HELDOUT_REGRESSION, REJECTED, AliasMove, Pin, PolicyVersion, Registry
-from promotion.dashboard import Operator, mount_dashboard
+from policies.registry import HELDOUT_REGRESSION, Pin, PolicyVersion, Registry
 from promotion.promoter import Promoter
-from promotion.reports import ReportError, SinkError, diff, history, served_at
 from promotion.sequential import Arm, Comparison, compare, confidence_sequence, paired_loss_p, verdict_in_sight
 from serving.swap import restore_abandoned, stop_abandoned_engines
 from sync.replica import ReplicaSync
 
 ACTOR = "controller"
-T = TypeVar("T")
 logger = setup_logging("controller")
 
 
@@ -103,6 +91,18 @@ class QuietWatch:
             self.samples.popleft()
         since, then = self.samples[0]
         return now - since >= self.quiet_s and answers - then <= self.per_s * (now - since)
+
+
+@dataclass
+class Look:
+    """The canary guard's look at a canary: its verdict, the comparisons behind it, and
+    what is recorded on the version (`info`)."""
+
+    verdict: str  # continue, non_inferior, worse, held or inconclusive
+    comparisons: list[Comparison]
+    canary_n: int
+    age: float
+    info: dict
 
 
 class Controller:
@@ -298,17 +298,41 @@ class Controller:
             self.state = f"{canary.version} is in canary by hand; left to whoever put it there"
             return
         pin = self.registry.pinned()
-        if not self.config.canary_guard and pin:
+        if not self.config.canary_guard:
+            self.finish_unguarded(canary, pin)
+            return
+        self.state = f"judging canary {canary.version} against {stable.version}"
+        look = self.look(canary, stable, info)
+        if look is None:
+            return
+        self.registry.update_metrics(canary.version, canary=look.info)
+        if look.verdict == "continue":
+            if self.gives_way(look.comparisons, look.canary_n) and not pin and (newer := self.newer_candidate(canary)):
+                # Undecided is not worse: the newer candidate takes the canary's place, and
+                # the learner's chain goes on (nothing was taken off users for its quality).
+                self.promoter.transition(canary.version, "superseded", ACTOR,
+                                         f"undecided after {look.canary_n} completions; {newer.version} is newer")
+                self.take_candidate()
+            else:
+                self.stage_ahead(canary)
+            return
+        self.conclude(canary, stable, look, pin)
+
+    def finish_unguarded(self, canary: PolicyVersion, pin: Pin | None) -> None:
+        """Without the live guard, the controller's canary goes to every replica at once,
+        unless stable is pinned."""
+        if pin:
             self.state = f"{canary.version} waits: stable pinned by {pin.actor}"
             return
-        if not self.config.canary_guard:
-            try:
-                self.promoter.finish(canary.version, ACTOR, "every replica verified")
-            except Exception as error:
-                self.fail(canary.version, f"{type(error).__name__}: {error}")
-            return
+        try:
+            self.promoter.finish(canary.version, ACTOR, "every replica verified")
+        except Exception as error:
+            self.fail(canary.version, f"{type(error).__name__}: {error}")
+
+    def look(self, canary: PolicyVersion, stable: PolicyVersion, info: dict) -> Look | None:
+        """The guard's verdict on the canary from the figures since it started; None when
+        it was taken off for want of production traffic to judge it on."""
         now = time.time()
-        self.state = f"judging canary {canary.version} against {stable.version}"
         figures = self.figures([canary.version, stable.version], info["started_at"], now - self.judge_after_s)
         comparisons = self.compare(figures, stable.version, canary.version)
         tenants = self.compare_tenants(figures, stable.version, canary.version)
@@ -328,7 +352,7 @@ class Controller:
             self.promoter.abort(canary.version, ACTOR, f"no production traffic for {self.quiet.quiet_s:.0f} s "
                                 f"to judge it; a newer candidate is judged when traffic returns",
                                 state="superseded")
-            return
+            return None
         serving = self.serving_checks(served, stable.version, canary.version)
         if failing := [c for c in serving if c.decision == "worse"]:
             verdict = "worse"  # failing or slow answers: whatever the feedback says
@@ -339,33 +363,26 @@ class Controller:
             comparisons = comparisons + worse_for
         info = dict(info, verdict=verdict, seconds=round(age, 1), comparisons=[c.model_dump() for c in comparisons],
                     tenants=[c.model_dump() for c in tenants], serving=[c.model_dump() for c in serving])
-        self.registry.update_metrics(canary.version, canary=info)
-        if verdict == "continue":
-            if self.gives_way(comparisons, canary_n) and not pin and (newer := self.newer_candidate(canary)):
-                # Undecided is not worse: the newer candidate takes the canary's place, and
-                # the learner's chain goes on (nothing was taken off users for its quality).
-                self.promoter.transition(canary.version, "superseded", ACTOR,
-                                         f"undecided after {canary_n} completions; {newer.version} is newer")
-                self.take_candidate()
-            else:
-                self.stage_ahead(canary)
-            return
+        return Look(verdict, comparisons, canary_n, age, info)
+
+    def conclude(self, canary: PolicyVersion, stable: PolicyVersion, look: Look, pin: Pin | None) -> None:
+        """Act on a verdict other than continue: hold for a human, promote, or abort."""
         figures_text = "; ".join(f"{c.metric} {c.canary_mean:.3f} vs {c.stable_mean:.3f} "
                                  f"(n {c.canary_n}/{c.stable_n}, difference in [{c.low:+.3f}, {c.high:+.3f}])"
-                                 for c in comparisons)
-        if verdict == "held":
+                                 for c in look.comparisons)
+        if look.verdict == "held":
             self.state = f"{canary.version} held in canary: {figures_text}; promote or abort it by hand"
             if (canary.metrics.get("canary") or {}).get("verdict") != "held":  # ask once
                 self.registry.record_event(canary.version, "held", ACTOR, f"held in canary for a human: {figures_text}")
-                self.alert("canary_held", canary.version, figures_text, comparisons=info["comparisons"])
+                self.alert("canary_held", canary.version, figures_text, comparisons=look.info["comparisons"])
             return
-        log(logger, "canary verdict", version=canary.version, verdict=verdict, seconds=round(age, 1),
+        log(logger, "canary verdict", version=canary.version, verdict=look.verdict, seconds=round(look.age, 1),
             **{c.metric: f"{c.canary_mean:.3f} vs {c.stable_mean:.3f} [{c.low:+.3f}, {c.high:+.3f}]"
-               for c in comparisons})
-        if verdict == "non_inferior" and pin:
+               for c in look.comparisons})
+        if look.verdict == "non_inferior" and pin:
             self.state = f"{canary.version} non-inferior; stable pinned by {pin.actor}, so it waits"
             return
-        if verdict == "non_inferior":
+        if look.verdict == "non_inferior":
             successor = self.newer_candidate(canary)
             self.promoter.finish(canary.version, ACTOR, f"canary non-inferior to {stable.version}: {figures_text}",
                                  leave_one=successor is not None)
@@ -373,13 +390,13 @@ class Controller:
                 self.take_candidate()
                 self.serve_stable_everywhere()  # unless it did not start
             return
-        why = "clearly worse than" if verdict == "worse" else "not shown non-inferior to"
-        reason = f"canary {why} {stable.version} after {age:.0f} s: {figures_text}"
+        why = "clearly worse than" if look.verdict == "worse" else "not shown non-inferior to"
+        reason = f"canary {why} {stable.version} after {look.age:.0f} s: {figures_text}"
         self.promoter.abort(canary.version, ACTOR, reason)
         # Worse: taken off users automatically. Inconclusive: a human should look; with
         # nobody to ask, stable stays.
-        self.alert("canary_aborted" if verdict == "worse" else "canary_needs_a_human", canary.version, reason,
-                   comparisons=info["comparisons"], seconds=info["seconds"])
+        self.alert("canary_aborted" if look.verdict == "worse" else "canary_needs_a_human", canary.version, reason,
+                   comparisons=look.info["comparisons"], seconds=look.info["seconds"])
 
     def gives_way(self, comparisons: list[Comparison], canary_n: int) -> bool:
         """Whether an undecided canary should give its replica to a newer candidate: after
@@ -555,198 +572,7 @@ class Controller:
             stop.wait(self.config.poll_s)
 
 
-class RollbackRequest(Reason):
-    to: str | None = Field(None, description="The version to put back (default: the previous stable one).")
-
-
-class ImportRequest(Reason):
-    model_dir: Path = Field(description="A Hugging Face model directory on the controller's host.")
-
-
-class AliasRequest(Reason):
-    version: VersionName | None = Field(description="The version the alias names; null removes the alias.")
-
-
-class PolicyDetail(BaseModel):
-    version: PolicyVersion
-    history: list[dict] = Field(description="Every state change: version, at, from, to, actor, reason.")
-
-
-class Analysis(BaseModel):
-    version: str
-    state: str
-    verdict: str | None = Field(description="The guard's latest verdict; None for a version it never judged.")
-    seconds: float | None = Field(description="How long it had been judged at that verdict.")
-    comparisons: list[dict] = Field(description="Canary against stable per metric (and tenants found worse).")
-    serving: list[dict] = Field(description="Canary against stable on server errors and p99 latency.")
-    tenants: list[dict] = Field(description="Each tenant with enough traffic, on its own.")
-    passed: bool = Field(description="It reached stable.")
-    failed: bool = Field(description="It was found worse or taken off users.")
-
-
-def create_app(controller: Controller) -> FastAPI:
-    """Health, on-call's API (an admin key, or the dashboard's session) and dashboard: the
-    `liverl policy` commands over HTTP, each taking the controller's lock so it never
-    interleaves with the controller's own moves."""
-    registry, promoter = controller.registry, controller.promoter
-
-    def health() -> dict:
-        canary = registry.in_state("canary")
-        stable = registry.stable()
-        pin = registry.pinned()
-        return {"ok": True, "state": controller.state, "last_error": controller.last_error,
-                "stable": stable.version if stable else None,
-                "canary": canary[-1].version if canary else None, "pinned": pin is not None}
-
-    app = service_app("liverl promotion controller", controller.settings, health)
-    audit = app.state.audit
-    mount_dashboard(app, controller, audit)
-
-    def act(key: KeyRecord, action: str, target: str, reason: str, change: Callable[[], T]) -> T:
-        """One change by on-call: under the lock, refused with the reason when illegal, audited."""
-        with controller.lock:
-            try:
-                result = change()
-            except KeyError as error:
-                raise HTTPException(404, error.args[0]) from None
-            except ValueError as error:  # IllegalTransition included: the message says what is allowed
-                raise HTTPException(409, str(error)) from None
-            except RuntimeError as error:  # a swap that failed verification: replicas are back on stable
-                raise HTTPException(502, str(error)) from None
-        audit.record(key.key_id, action, target, reason)
-        return result
-
-    @app.get("/admin/policies")
-    def policies(key: Operator) -> list[PolicyVersion]:
-        return registry.versions()
-
-    @app.get("/admin/policies/{version}")
-    def policy(version: str, key: Operator) -> PolicyDetail:
-        try:
-            return PolicyDetail(version=registry.get(version), history=registry.history(version))
-        except KeyError as error:
-            raise HTTPException(404, error.args[0]) from None
-
-    @app.get("/admin/analysis/{version}")
-    def analysis(version: str, key: Operator) -> Analysis:
-        """The live guard's latest look at a version, shaped for an Argo Rollouts `web`
-        metric (docs/production.md): `verdict` is continue, non_inferior, worse, held or
-        inconclusive; `passed` / `failed` are the success and failure conditions."""
-        try:
-            record = registry.get(version)
-        except KeyError as error:
-            raise HTTPException(404, error.args[0]) from None
-        info = record.metrics.get("canary") or {}
-        verdict = info.get("verdict", "continue" if record.state in ("candidate", "canary") else None)
-        return Analysis(version=version, state=record.state, verdict=verdict, seconds=info.get("seconds"),
-                        comparisons=info.get("comparisons", []), tenants=info.get("tenants", []),
-                        serving=info.get("serving", []),
-                        passed=record.state == "stable", failed=record.state in REJECTED or verdict == "worse")
-
-    @app.post("/admin/policies/{version}/promote")
-    def promote(version: str, body: Reason, key: Operator) -> PolicyVersion:
-        """Canary then every replica, each verified; returns when it serves everywhere."""
-        return act(key, "policy.promote", version, body.reason,
-                   lambda: promoter.promote(version, key.key_id, body.reason))
-
-    @app.post("/admin/policies/{version}/abort")
-    def abort(version: str, body: Reason, key: Operator) -> PolicyVersion:
-        """Take a canary off users: stable back on its replica (verified), the learner rewinds."""
-        return act(key, "policy.abort", version, body.reason,
-                   lambda: promoter.abort(version, key.key_id, body.reason))
-
-    @app.post("/admin/rollback")
-    def rollback(body: RollbackRequest, key: Operator) -> PolicyVersion:
-        """The previous stable (or `to`) back on every replica; returns once verified serving."""
-        return act(key, "policy.rollback", body.to or "previous stable", body.reason,
-                   lambda: promoter.rollback(key.key_id, body.reason, to=body.to))
-
-    def report(answer: Callable[[], T]) -> T:
-        try:
-            return answer()
-        except KeyError as error:
-            raise HTTPException(404, error.args[0]) from None
-        except ReportError as error:
-            raise HTTPException(422, str(error)) from None
-        except SinkError as error:
-            raise HTTPException(503, str(error)) from None
-
-    @app.get("/admin/history")
-    def full_history(key: Operator, version: VersionName | None = None) -> list[dict]:
-        """Every state change, oldest first (with every pin and alias move when no version is named)."""
-        return report(lambda: history(registry, version))
-
-    @app.get("/admin/served")
-    def served(key: Operator, tenant: str = Query(max_length=64), at: datetime = Query(description="When (UTC if naive)."),
-               window_s: float = Query(60.0, gt=0, le=86_400)) -> dict:
-        """Which versions answered `tenant` within `window_s` of `at`, and what was stable and canary then."""
-        return report(lambda: served_at(controller.settings, tenant, at, window_s))
-
-    @app.get("/admin/diff/{a}/{b}")
-    def compare_versions(a: str, b: str, key: Operator,
-                         kl_completions: int = Query(64, ge=0, le=1024)) -> dict:
-        """Two versions side by side (`liverl policy diff`)."""
-        return report(lambda: diff(controller.settings, a, b, kl_completions))
-
-    @app.post("/admin/policies/import")
-    def import_policy(body: ImportRequest, key: Operator) -> PolicyVersion:
-        """A model directory on this host in as a version: stable if it is the first, else a candidate."""
-        return act(key, "policy.import", str(body.model_dir), body.reason,
-                   lambda: import_version(controller.settings, body.model_dir, key.key_id))
-
-    @app.get("/admin/learner")
-    def learner_status(key: Operator) -> dict:
-        """The learner's /health: its version, backlog, pause, dropped samples."""
-        return learner_call("GET", "/health")
-
-    @app.post("/admin/learner/{verb}")
-    def learner_control(verb: Literal["pause", "resume"], body: Reason, key: Operator) -> dict:
-        """Pause or resume learning (pause answers once the step in flight is done)."""
-        answer = learner_call("POST", f"/{verb}", params={"reason": body.reason})
-        audit.record(key.key_id, f"learner.{verb}", "learner", body.reason, via="controller")
-        return answer
-
-    def learner_call(method: str, path: str, **kwargs) -> dict:
-        settings = controller.settings
-        try:
-            response = httpx.request(method, settings.url(settings.ports.learner) + path, timeout=620,
-                                     headers=admin_headers(settings), **kwargs)
-        except httpx.HTTPError as error:
-            raise HTTPException(503, f"the learner is not answering: {type(error).__name__}") from None
-        response.raise_for_status()
-        return response.json()
-
-    @app.post("/admin/capacity/{verb}")
-    def lending_control(verb: Literal["pause", "resume"], body: Reason, key: Operator) -> dict:
-        """Pause or resume lending to rollouts, as `liverl capacity pause|resume` (the
-        dashboard's door to it): a pause answers once no replica is lent, or after 30 s."""
-        return hold_lending(controller.settings, audit, key.key_id, verb, body.reason, 30.0, via="controller")
-
-    @app.get("/admin/aliases")
-    def aliases(key: Operator) -> dict[str, str]:
-        """Every alias the gateway routes by (`x-liverl-alias`): stable, canary and the teams' own."""
-        return read_pool(controller.settings).aliases
-
-    @app.post("/admin/aliases/{alias}")
-    def move_alias(alias: AliasName, body: AliasRequest, key: Operator) -> AliasMove:
-        """Point a team's alias at a version, or remove it (`version` null)."""
-        return act(key, "policy.alias", alias, body.reason,
-                   lambda: promoter.move_alias(alias, body.version, key.key_id, body.reason))
-
-    @app.post("/admin/pin")
-    def pin(body: Reason, key: Operator) -> Pin:
-        """No automatic promotion moves stable until unpinned (a worse canary is still aborted)."""
-        return act(key, "policy.pin", "stable", body.reason, lambda: registry.pin("stable", key.key_id, body.reason))
-
-    @app.post("/admin/unpin")
-    def unpin(body: Reason, key: Operator) -> Pin:
-        return act(key, "policy.unpin", "stable", body.reason,
-                   lambda: registry.pin("stable", key.key_id, body.reason, pinned=False))
-
-    return app
-
-
 if __name__ == "__main__":
-    settings = get_settings()
-    controller = Controller(settings)
-    serve_beside(create_app(controller), settings.host, settings.ports.controller, controller.run)
+    from promotion.api import serve_controller  # the API imports this module: the loop is defined there once
+
+    serve_controller(get_settings())

@@ -21,7 +21,7 @@ import os
 import secrets
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated, Protocol
 
 import httpx
 from fastapi import APIRouter, Depends, Form, Header, HTTPException, Query, Request
@@ -31,14 +31,13 @@ from fastapi.templating import Jinja2Templates
 from itsdangerous import BadSignature, URLSafeTimedSerializer
 
 from liverl.audit import AuditLog
+from liverl.http import Audit
 from liverl.keys import KeyRecord, KeyStore, require_admin, require_key
 from liverl.lending import lending_state, scheduler_answers
 from liverl.pool import read_pool
 from liverl.settings import Settings
+from policies.registry import Registry
 from promotion.sequential import wilson
-
-if TYPE_CHECKING:
-    from promotion.controller import Controller
 
 HERE = Path(__file__).parent
 SESSION_COOKIE = "liverl_session"
@@ -102,78 +101,110 @@ async def operator(request: Request, authorization: Annotated[str | None, Header
 Operator = Annotated[KeyRecord, Depends(operator)]
 
 
-def dashboard_router(controller: Controller, audit: AuditLog) -> APIRouter:
+class ControllerView(Protocol):
+    """What the dashboard reads of the promotion controller."""
+
+    settings: Settings
+    registry: Registry
+    state: str
+    last_error: str | None
+
+    def figure_rows(self, versions: list[str], since: float, until: float,
+                    bucket_s: int | None = None) -> list[dict]: ...
+
+
+# The page and its session: the admin key in, a session cookie out.
+session_router = APIRouter(prefix="/dashboard", tags=["dashboard"])
+
+
+@session_router.get("/login", response_class=HTMLResponse, include_in_schema=False)
+def login_page(request: Request) -> HTMLResponse:
+    return templates.TemplateResponse(request, "login.html", {"error": None})
+
+
+@session_router.post("/login", response_class=HTMLResponse)
+def login(request: Request, key: Annotated[str, Form(max_length=200)], audit: Audit) -> Response:
+    """The admin key, once: answered with a session cookie and the dashboard."""
+    record = request.app.state.keys.authenticate(key.strip())
+    if record is None or record.role != "admin":
+        error = "invalid or revoked key" if record is None else "the dashboard needs an admin key"
+        return templates.TemplateResponse(request, "login.html", {"error": error},
+                                          status_code=401 if record is None else 403)
+    audit.record(record.key_id, "dashboard.login", "dashboard")
+    sessions = request.app.state.sessions
+    page = RedirectResponse("/dashboard", status_code=303)
+    page.set_cookie(SESSION_COOKIE, sessions.open(record), max_age=int(sessions.max_age),
+                    httponly=True, samesite="strict", secure=request.url.scheme == "https", path="/")
+    return page
+
+
+@session_router.post("/logout", include_in_schema=False)
+def logout() -> Response:
+    """Forget the session here (a plain form: being logged out by another site harms nothing)."""
+    page = RedirectResponse("/dashboard/login", status_code=303)
+    page.delete_cookie(SESSION_COOKIE, path="/")
+    return page
+
+
+@session_router.get("", response_class=HTMLResponse, include_in_schema=False)
+async def page(request: Request) -> Response:
+    session = request.app.state.sessions.read(request.cookies.get(SESSION_COOKIE))
+    if session is None:
+        if request.headers.get("authorization"):
+            await operator(request, request.headers["authorization"])  # a key: 401/403 say why
+        return RedirectResponse("/dashboard/login", status_code=303)
+    record, token = session
+    return templates.TemplateResponse(request, "dashboard.html", {"csrf": token, "key_id": record.key_id,
+                                                                  "csrf_header": CSRF_HEADER})
+
+
+def learner_health(settings: Settings, registry: Registry) -> dict:
+    """The learner's /health, and how many versions it is ahead of stable."""
+    try:
+        learner = httpx.get(settings.url(settings.ports.learner) + "/health", timeout=3).json()
+    except httpx.HTTPError as error:
+        return {"error": f"learner not answering: {type(error).__name__}"}
+    stable = registry.stable()
+    if stable and "version" in learner and (seq := registry.seq_of(learner["version"])) is not None:
+        learner["versions_ahead_of_stable"] = seq - stable.seq
+    return learner
+
+
+def page_state(controller: ControllerView, audit: AuditLog) -> dict:
+    """Everything the page shows but the plots, as one JSON document."""
     settings, registry = controller.settings, controller.registry
+    pool = read_pool(settings)
+    pin = registry.pinned()
+    try:
+        lending = lending_state(settings) | {"scheduler": scheduler_answers(settings)}
+    except (OSError, ValueError) as error:  # the rest of the page is still on-call's
+        lending = {"error": f"lending's records unreadable: {error!r}"}
+    return {
+        "controller": {"state": controller.state, "last_error": controller.last_error,
+                       "pinned": pin.model_dump(mode="json") if pin else None},
+        "versions": [{"version": v.version, "state": v.state, "parent": v.parent, "created_at": v.created_at,
+                      "gate": (v.metrics.get("gate") or {}).get("passed"),
+                      "verdict": (v.metrics.get("canary") or {}).get("verdict")}
+                     for v in registry.versions()[-30:][::-1]],
+        "serving": {"aliases": pool.aliases, "canary_share": settings.serving.canary_share,
+                    "replicas": [{"name": r.name, "version": r.policy_version, "enabled": r.enabled,
+                                  "alias": r.alias, "in_sync": r.policy_version in pool.aliases.values()}
+                                 for r in pool.replicas]},
+        "lending": lending,
+        "learner": learner_health(settings, registry),
+        "history": registry.history()[-30:][::-1],
+        "audit": [e.model_dump(mode="json") for e in reversed(audit.entries(limit=30))],
+    }
+
+
+def dashboard_router(controller: ControllerView, audit: AuditLog) -> APIRouter:
+    """What the page reads: the controller's state and the plots."""
     router = APIRouter(prefix="/dashboard", tags=["dashboard"])
-
-    @router.get("/login", response_class=HTMLResponse, include_in_schema=False)
-    def login_page(request: Request) -> HTMLResponse:
-        return templates.TemplateResponse(request, "login.html", {"error": None})
-
-    @router.post("/login", response_class=HTMLResponse)
-    def login(request: Request, key: Annotated[str, Form(max_length=200)]) -> Response:
-        """The admin key, once: answered with a session cookie and the dashboard."""
-        record = request.app.state.keys.authenticate(key.strip())
-        if record is None or record.role != "admin":
-            error = "invalid or revoked key" if record is None else "the dashboard needs an admin key"
-            return templates.TemplateResponse(request, "login.html", {"error": error},
-                                              status_code=401 if record is None else 403)
-        audit.record(record.key_id, "dashboard.login", "dashboard")
-        page = RedirectResponse("/dashboard", status_code=303)
-        page.set_cookie(SESSION_COOKIE, request.app.state.sessions.open(record), max_age=int(settings.promotion.dashboard_session_s),
-                        httponly=True, samesite="strict", secure=request.url.scheme == "https", path="/")
-        return page
-
-    @router.post("/logout", include_in_schema=False)
-    def logout() -> Response:
-        """Forget the session here (a plain form: being logged out by another site harms nothing)."""
-        page = RedirectResponse("/dashboard/login", status_code=303)
-        page.delete_cookie(SESSION_COOKIE, path="/")
-        return page
-
-    @router.get("", response_class=HTMLResponse, include_in_schema=False)
-    async def page(request: Request) -> Response:
-        session = request.app.state.sessions.read(request.cookies.get(SESSION_COOKIE))
-        if session is None:
-            if request.headers.get("authorization"):
-                await operator(request, request.headers["authorization"])  # a key: 401/403 say why
-            return RedirectResponse("/dashboard/login", status_code=303)
-        record, token = session
-        return templates.TemplateResponse(request, "dashboard.html", {"csrf": token, "key_id": record.key_id,
-                                                                      "csrf_header": CSRF_HEADER})
 
     @router.get("/state")
     def state(key: Operator) -> dict:
         """Everything the page shows but the plots, as one JSON document."""
-        versions = registry.versions()
-        stable = registry.stable()
-        pool = read_pool(settings)
-        pin = registry.pinned()
-        try:
-            learner = httpx.get(settings.url(settings.ports.learner) + "/health", timeout=3).json()
-        except httpx.HTTPError as error:
-            learner = {"error": f"learner not answering: {type(error).__name__}"}
-        if stable and "version" in learner and (seq := registry.seq_of(learner["version"])) is not None:
-            learner["versions_ahead_of_stable"] = seq - stable.seq
-        try:
-            lending = lending_state(settings) | {"scheduler": scheduler_answers(settings)}
-        except (OSError, ValueError) as error:  # the rest of the page is still on-call's
-            lending = {"error": f"lending's records unreadable: {error!r}"}
-        return {
-            "controller": {"state": controller.state, "last_error": controller.last_error,
-                           "pinned": pin.model_dump(mode="json") if pin else None},
-            "versions": [{"version": v.version, "state": v.state, "parent": v.parent, "created_at": v.created_at,
-                          "gate": (v.metrics.get("gate") or {}).get("passed"),
-                          "verdict": (v.metrics.get("canary") or {}).get("verdict")} for v in versions[-30:][::-1]],
-            "serving": {"aliases": pool.aliases, "canary_share": settings.serving.canary_share,
-                        "replicas": [{"name": r.name, "version": r.policy_version, "enabled": r.enabled,
-                                      "alias": r.alias, "in_sync": r.policy_version in pool.aliases.values()}
-                                     for r in pool.replicas]},
-            "lending": lending,
-            "learner": learner,
-            "history": registry.history()[-30:][::-1],
-            "audit": [e.model_dump(mode="json") for e in reversed(audit.entries(limit=30))],
-        }
+        return page_state(controller, audit)
 
     @router.get("/plots/rates.svg", response_class=Response, responses={200: {"content": {"image/svg+xml": {}}}})
     def rates_plot(key: Operator, minutes: Annotated[int, Query(ge=1, le=7 * 24 * 60)] = 30,
@@ -182,7 +213,7 @@ def dashboard_router(controller: Controller, audit: AuditLog) -> APIRouter:
         version over the last `minutes`, judged production completions, all tenants or one."""
         until = time.time()
         bucket_s = max(10, minutes * 60 // 40)
-        names = [v.version for v in registry.versions()[-32:]]
+        names = [v.version for v in controller.registry.versions()[-32:]]
         try:
             rows = controller.figure_rows(names, until - minutes * 60, until, bucket_s) if names else []
         except httpx.HTTPError as error:
@@ -252,7 +283,8 @@ def rates_figure(rows: list[dict], bucket_s: int, minutes: int, now: float):
     return figure
 
 
-def mount_dashboard(app, controller: Controller, audit: AuditLog) -> None:
+def mount_dashboard(app, controller: ControllerView, audit: AuditLog) -> None:
     app.state.sessions = Sessions(controller.settings, app.state.keys)
+    app.include_router(session_router)
     app.include_router(dashboard_router(controller, audit))
     app.mount("/dashboard/static", StaticFiles(directory=HERE / "static"), name="dashboard-static")

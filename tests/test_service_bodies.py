@@ -97,7 +97,8 @@ def capacity(settings: Settings) -> FastAPI:
 
 
 def controller(settings: Settings) -> FastAPI:
-    from promotion.controller import Controller, create_app
+    from promotion.api import create_app
+    from promotion.controller import Controller
 
     return create_app(Controller(settings))
 
