@@ -308,8 +308,8 @@ def policy_real_shape(
 @policy_app.command("build-starter")
 def policy_build_starter(
     seed: int = typer.Option(0, help="Seed of the recipe: 0 is the starter shipped in policies/starter_model."),
-    out: Optional[Path] = typer.Option(None, help="Where to write it (default: policies/starter_model for "
-                                       "seed 0, else the starter cache, LIVERL_STARTER__CACHE_DIR)."),
+    out: Path | None = typer.Option(None, help="Where to write it (default: policies/starter_model for "
+                                    "seed 0, else the starter cache, LIVERL_STARTER__CACHE_DIR)."),
 ) -> None:
     """Build the starter policy from its recipe (about 10 minutes on two cores) and write its files
     with their SHA-256 in SHA256SUMS, which every use checks. The recipe's bits depend on the CPU:
@@ -321,7 +321,8 @@ def policy_build_starter(
         rebuild_starter(out_dir, seed=seed)
     except ValueError as error:
         fail(str(error))
-    console.print(f"{out_dir}: the starter policy, seed {seed}, built from its recipe; SHA-256 in {out_dir / 'SHA256SUMS'}")
+    console.print(f"{out_dir}: the starter policy, seed {seed}, built from its recipe; "
+                  f"SHA-256 in {out_dir / 'SHA256SUMS'}")
 
 
 @policy_app.command("list")

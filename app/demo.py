@@ -523,15 +523,18 @@ def run_demo(settings: Settings, minutes: float, users: int, seed: int, max_toke
     launched = time.time()
     console.print("[bold]starting the embedded stack[/bold]")
     up(settings, say=console.print)
+    stopping = threading.Event()
     try:
         keys = json.loads(settings.dev_keys_file.read_text())
         load = None if day_minutes is None else (lambda t: day_load(t, day_minutes * 60))
         pop = Population(settings, keys["tenant_key"], users, seed, max_tokens, load)
+        stopping = pop._stop
         threads = pop.start()
         status, active, tokens = watch(settings, pop, minutes, console, launched, day=day_minutes is not None)
         pop.stop(threads)
         result, day = results(settings, pop, status, active, tokens, out_dir)
     finally:
+        stopping.set()  # a demo stopped early (Ctrl-C, `kill`): no user sends while the stack drains
         stop_stack(settings, console)
     if day is not None:  # with the stack down, so the evaluation has the cores
         console.print(f"held-out pass rate of the coding environment per version ({heldout} tasks, greedy)")
@@ -576,7 +579,7 @@ def watch(settings: Settings, pop: Population, minutes: float, console: Console,
                 first_served = True
                 version, tally = min(pop.tallies.items(), key=lambda kv: kv[1].first_at)
                 console.print(f"first user request served by {version}, {time.time() - launched:.0f} s after "
-                              f"`liverl demo` began ({tally.first_at:.1f} s after the users started)")
+                              f"`liverl demo` began ({tally.first_at:.1f} s after the users started)", soft_wrap=True)
             if not console.is_terminal and time.time() - said >= every_s:
                 said = time.time()
                 console.print(progress_line(pop, status, minutes), soft_wrap=True)

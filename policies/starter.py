@@ -26,7 +26,7 @@ import sysconfig
 import tempfile
 import time
 from pathlib import Path
-from typing import Self
+from typing import Any, Self
 
 import tokenizers
 import torch
@@ -152,7 +152,8 @@ def build_starter_policy(
         model = Qwen3MoeForCausalLM(config)
         tokens = token_stream(files, tokenizer)
         if primer_functions:
-            tokens = torch.cat([tokens, torch.tensor(primer.primer_tokens(tokenizer, primer_functions, primer_level2_share))])
+            functions = primer.primer_tokens(tokenizer, primer_functions, primer_level2_share)
+            tokens = torch.cat([tokens, torch.tensor(functions)])
         if progress:
             print(f"building the starter policy from its recipe (seed {seed}): {len(tokens):,} tokens, "
                   f"{train_steps} steps of mid-training", flush=True)
@@ -219,7 +220,7 @@ def shipped_starter(out_dir: Path) -> Path:
     return out_dir
 
 
-def rebuild_starter(out_dir: Path, *, progress: bool = True, **args: float) -> Path:
+def rebuild_starter(out_dir: Path, *, progress: bool = True, **args: Any) -> Path:
     """Build the starter from the recipe anew (no cache, no shipped copy) and put it in
     out_dir with `SHA256SUMS`, the hashes every use checks. `SHIPPED` takes only the
     recipe's defaults; commit what this wrote there to make it the starter."""
@@ -279,7 +280,7 @@ class StepProgress:
         self.task = self.bar.add_task(self.what, total=self.total)
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, *exc: Any) -> None:
         self.bar.__exit__(*exc)
 
     def advance(self, note: str) -> None:

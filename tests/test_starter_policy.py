@@ -127,8 +127,8 @@ def test_a_shipped_file_that_fails_its_sha256_is_refused_in_one_line(tmp_path: P
     code = ("import sys, pathlib, policies.starter as s; s.SHIPPED = pathlib.Path(sys.argv[1]); "
             "sys.argv = ['liverl', 'policy', 'real-shape', sys.argv[2]]; from app.cli import main; main()")
     env = dict(os.environ, LIVERL_STARTER__CACHE_DIR=str(tmp_path / "cache"), COLUMNS="300")
-    run = subprocess.run([sys.executable, "-c", code, str(shipped), str(tmp_path / "real")], cwd=REPO, env=env, check=False,
-                         capture_output=True, text=True)
+    run = subprocess.run([sys.executable, "-c", code, str(shipped), str(tmp_path / "real")], cwd=REPO, env=env,
+                         check=False, capture_output=True, text=True)
     assert run.returncode == 1 and "Traceback" not in run.stderr
     assert run.stdout.strip().startswith("error: the starter policy's model.safetensors")
     assert run.stdout.strip().endswith("`liverl policy build-starter --seed 0`") and run.stdout.count("\n") == 1
