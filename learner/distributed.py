@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -114,9 +115,9 @@ def follow() -> None:
     # The stack stops a component by signalling its whole process group: this rank leaves
     # when rank 0 has finished what it was doing and says so (torchrun kills it otherwise).
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    local = None
+    local: Trainer | None = None
     while True:
-        call = [None]
+        call: list[Any] = [None]  # filled with (name, args, kwargs) by rank 0's broadcast
         dist.broadcast_object_list(call, src=0, group=_commands)
         name, args, kwargs = call[0]
         if name == STOP:

@@ -9,17 +9,21 @@ the batch. Each row's log-softmax is over the whole vocabulary, as before.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch.utils.checkpoint import checkpoint
+from transformers import PreTrainedModel
 
 
-def causal_lm(model: torch.nn.Module) -> torch.nn.Module:
+def causal_lm(model: torch.nn.Module) -> PreTrainedModel:
     """The HF causal LM inside a peft wrapper (or the model itself)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
+    get_base_model = getattr(model, "get_base_model", None)
+    return cast(PreTrainedModel, get_base_model() if get_base_model is not None else model)
 
 
 def _chunk_logprobs(hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor) -> torch.Tensor:
-    logits = head(hidden).float()
+    logits: torch.Tensor = head(hidden).float()
     return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 

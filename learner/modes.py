@@ -69,7 +69,9 @@ def adapted_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         if isinstance(module, LoraLayer):
             param = getattr(module, "parameter_name", "weight")  # a router's ParamWrapper names its parameter
             weight = getattr(module.get_base_layer(), param)
-            adapted[_base_name(f"{name}.{param}")] = (weight + module.get_delta_weight("default")).detach()
+            # Every concrete LoRA layer defines get_delta_weight; peft's LoraLayer base does not declare it.
+            delta = module.get_delta_weight("default")  # type: ignore[attr-defined]
+            adapted[_base_name(f"{name}.{param}")] = (weight + delta).detach()
     return adapted or {n: w.detach() for n, w in model.named_parameters() if w.requires_grad}
 
 

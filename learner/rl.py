@@ -82,7 +82,7 @@ class RunningBaseline:
     def advantages(self, rewards: torch.Tensor, keys: list[str]) -> torch.Tensor:
         # Baselines come from before this batch, then take in its rewards.
         baseline = torch.tensor([self.means.get(k, self.initial) for k in keys], dtype=rewards.dtype)
-        for k, r in zip(keys, rewards.tolist()):
+        for k, r in zip(keys, rewards.tolist(), strict=True):
             self.means[k] = self.decay * self.means.get(k, r) + (1 - self.decay) * r
         return rewards - baseline
 

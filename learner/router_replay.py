@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import types
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -19,12 +20,14 @@ import torch.nn.functional as F
 from policies.families import is_router
 
 
-def moe_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The top-k routers, one per MoE layer, in layer order."""
+def moe_routers(model: torch.nn.Module) -> list[Any]:
+    """The top-k routers, one per MoE layer, in layer order. Any: each family's router
+    module has its own attributes (hidden_dim, top_k, ...), and `install` adds replay,
+    recomputed and used, none of which torch's Module type knows."""
     return [m for m in model.modules() if is_router(m)]
 
 
-def _routed_forward(router: torch.nn.Module, hidden_states: torch.Tensor):
+def _routed_forward(router: Any, hidden_states: torch.Tensor):
     hidden_states = hidden_states.reshape(-1, router.hidden_dim)
     logits = F.linear(hidden_states, router.weight)
     probs = torch.softmax(logits, dtype=torch.float, dim=-1)

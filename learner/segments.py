@@ -30,11 +30,12 @@ class Segment:
 
 
 def segments(t: Trajectory) -> list[Segment]:
-    if not t.multi_turn():
+    if t.turns is None or not t.multi_turn():
         p, c = t.prompt_token_ids, t.completion_token_ids
         return [Segment(p + c, [False] * len(p) + [True] * len(c), [0.0] * len(p) + list(t.completion_logprobs),
                         t.routed_experts)]
-    out, current = [], []
+    out: list[Segment] = []
+    current: list[Turn] = []
     for turn in t.turns:
         current.append(turn)
         if turn.role == "summary":  # the context ends here; the next segment starts afresh
@@ -66,13 +67,17 @@ def written_tokens(t: Trajectory) -> int:
 
 def turns_problem(t: Trajectory, vocab_size: int) -> str | None:
     """Why a multi-turn trajectory's turns cannot be trained on, or None."""
+    assert t.turns is not None, "a multi-turn trajectory has turns (Trajectory.multi_turn)"
     for i, turn in enumerate(t.turns):
-        if not all(0 <= x < vocab_size for x in turn.token_ids):
+        tokens = turn.token_ids
+        assert tokens is not None, "every turn of a multi-turn trajectory has its token ids"
+        if not all(0 <= x < vocab_size for x in tokens):
             return f"turn {i}: token ids must be in [0, {vocab_size})"
-        if turn.role in WRITTEN_ROLES and (turn.logprobs is None or len(turn.logprobs) != len(turn.token_ids)):
-            return f"turn {i} ({turn.role}): behaviour logprobs must match its token ids"
-        if turn.role in WRITTEN_ROLES and not all(x <= 0 for x in turn.logprobs):
-            return f"turn {i} ({turn.role}): behaviour logprobs must be at most 0"
+        if turn.role in WRITTEN_ROLES:
+            if turn.logprobs is None or len(turn.logprobs) != len(tokens):
+                return f"turn {i} ({turn.role}): behaviour logprobs must match its token ids"
+            if not all(x <= 0 for x in turn.logprobs):
+                return f"turn {i} ({turn.role}): behaviour logprobs must be at most 0"
     if t.routed_experts is not None:
         return "routed_experts are recorded for single-turn completions only"
     for k, segment in enumerate(segments(t)):

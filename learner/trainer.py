@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -184,7 +185,7 @@ def summarise(steps: list[StepStats], router_replay_on: bool) -> dict:
     gap = torch.cat(gaps) if gaps else torch.zeros(1)
     routed = sum(s.routed for s in steps)
     objective = {k: sum(s.objective[k] for s in steps) / len(steps) for k in (steps[0].objective if steps else {})}
-    grad_norms = [s.grad_norm for s in steps]
+    grad_norms = [s.grad_norm for s in steps if s.grad_norm is not None]  # step() sets every one
     return {
         "tokens": int(gap.numel()),
         **objective,
@@ -208,7 +209,8 @@ class Trainer:
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         refuse_what_cannot_fit(model_dir, config)
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        # The HF model, or the peft model wrapping it (LoRA).
+        self.model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         if config.lora is not None:
             self.model = with_adapters(self.model, config.lora.rank, config.lora.alpha, config.lora.targets,
                                        config.lora.router)
@@ -219,7 +221,8 @@ class Trainer:
         if self.world > 1:
             # FSDP2: each decoder layer's weights, grads and Adam state are split over
             # the ranks and gathered only for that layer's forward and backward.
-            for layer in causal_lm(self.model).model.layers:
+            decoder: Any = causal_lm(self.model).model  # the family's decoder stack
+            for layer in decoder.layers:
                 fully_shard(layer)
             fully_shard(self.model)
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
@@ -320,7 +323,7 @@ class Trainer:
             for minibatch in version_minibatches(order, self.config.minibatch, self.config.max_steps_per_version):
                 if minibatch := [i for i in minibatch if i not in failed]:
                     steps += self.step_or_skip(samples, advantages, minibatch, epoch, parent, reference, failed)
-        shift = {} if watched is None else policy_shift(parent_watch, self.vocabulary(watched),
+        shift = {} if watched is None or parent_watch is None else policy_shift(parent_watch, self.vocabulary(watched),
                                                         watched.completion_mask)
         lr = self.lr
         if self.config.target_kl is not None and "kl_from_parent" in shift:
@@ -491,7 +494,9 @@ class Trainer:
         FSDP: gathered to rank 0, the other ranks get {})."""
         if self.world == 1:
             return published_state(self.model)
-        whole = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        # Full state dict: plain tensors, not DTensor shards or nested state.
+        whole = cast(dict[str, torch.Tensor], get_model_state_dict(
+            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))
         if not hasattr(self.model, "peft_config"):
             return whole
         with gathered(self.model):  # each adapter merged from its whole A and B
@@ -523,7 +528,8 @@ class Trainer:
 
         def forward(input_ids: torch.Tensor) -> torch.Tensor:
             # The merged adapters are in `view`: the adapters themselves must not add again.
-            adapters = self.model.disable_adapter() if hasattr(self.model, "disable_adapter") else nullcontext()
+            disable_adapter = getattr(self.model, "disable_adapter", None)  # a peft model's
+            adapters = disable_adapter() if disable_adapter is not None else nullcontext()
             training = self.model.training
             self.model.eval()
             try:
