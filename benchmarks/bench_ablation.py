@@ -69,7 +69,7 @@ def sample(model, tokenizer, prompts: list[str], max_tokens: int) -> list[tuple[
     for i in range(len(prompts)):
         prompt = enc.input_ids[i][enc.attention_mask[i].bool()].tolist()
         ids, lps = [], []
-        for tok, lp in zip(new[i].tolist(), chosen[i].tolist()):
+        for tok, lp in zip(new[i].tolist(), chosen[i].tolist(), strict=True):
             ids.append(tok)
             lps.append(lp)
             if tok == tokenizer.eos_token_id:
@@ -100,7 +100,8 @@ def run(seed: int, rounds: int, batch: int, max_tokens: int, stable_lag: int, ca
                 continue
             prompts = [make_prompt(rng) for _ in range(n)]
             served.load_state_dict(versions[arms[arm]])
-            for prompt, (p_ids, c_ids, lps) in zip(prompts, sample(served, tokenizer, prompts, max_tokens)):
+            rows = sample(served, tokenizer, prompts, max_tokens)
+            for prompt, (p_ids, c_ids, lps) in zip(prompts, rows, strict=True):
                 ok = hidden_rule(prompt, tokenizer.decode(c_ids, skip_special_tokens=True))
                 verdicts.append(ok)
                 i = len(samples)

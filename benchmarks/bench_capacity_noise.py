@@ -61,8 +61,10 @@ def main(pairs: list[Path] = typer.Argument(..., help="Folders bench_capacity.py
     console.print(f"p99 in peaks, off / off: {spread(peak_ratios, 1.1)}")
     if lent_ratios:
         console.print(f"p99 in lent seconds, off / off: {spread(lent_ratios, 1.5)}")
-    on = [x for pair, windows in zip(pairs, lends) for x in latencies_within(pair / "lending-on", windows)]
-    off = [x for pair, windows in zip(pairs, lends) for x in latencies_within(pair / "lending-off", windows)]
+    on = [x for pair, windows in zip(pairs, lends, strict=True)
+          for x in latencies_within(pair / "lending-on", windows)]
+    off = [x for pair, windows in zip(pairs, lends, strict=True)
+           for x in latencies_within(pair / "lending-off", windows)]
     if on and off:
         console.print(f"lent seconds of all {len(pairs)} pairs together, on / off: p99 {p99(on):.3f} / "
                       f"{p99(off):.3f} s ({p99(on) / p99(off):.2f}x), median {statistics.median(on):.3f} / "

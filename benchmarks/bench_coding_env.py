@@ -74,7 +74,7 @@ def main(model: Path | None = typer.Option(None, help="HF checkpoint; default: t
     training_names = [line for line in lines if (word := re.match(r"\s*(\w+)", line)) and word[1] in PARAMS["train"]]
     console.print(f"held-out answers that begin with a parameter name of the training split: "
                   f"{len(training_names)} of {len(held)}")
-    failed = [(task, line) for task, line, ok in zip(held, lines, solved) if not ok][:examples]
+    failed = [(task, line) for task, line, ok in zip(held, lines, solved, strict=True) if not ok][:examples]
     if failed:
         shown = Table(title=f"held-out tasks failed greedily (first {len(failed)})")
         for column in ("docstring", "answer", "reference"):

@@ -41,7 +41,6 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Optional
 
 import blake3
 import numpy as np
@@ -124,22 +123,22 @@ def _histogram(unsigned: np.ndarray, contexts: np.ndarray | None = None) -> dict
     if contexts is None and unsigned.itemsize <= 2:  # dense histogram, far faster than np.unique
         counts = np.bincount(unsigned, minlength=1 << (8 * unsigned.itemsize))
         keys = np.flatnonzero(counts)
-        return dict(zip(keys.tolist(), counts[keys].tolist()))
+        return dict(zip(keys.tolist(), counts[keys].tolist(), strict=True))
     if contexts is None:
         keys, counts = np.unique(unsigned, return_counts=True)
-        return dict(zip(keys.tolist(), counts.tolist()))
+        return dict(zip(keys.tolist(), counts.tolist(), strict=True))
     # Unchanged values counted per context; only the changed ones go through a sort.
     unchanged = np.bincount(contexts[unsigned == 0])
     histogram = {(int(c), 0): int(n) for c, n in enumerate(unchanged) if n}
     moved = np.flatnonzero(unsigned)
     if unsigned.itemsize <= 4:  # one integer key per pair: a flat sort, far faster than rows
         keys, counts = np.unique((contexts[moved] << 32) | unsigned[moved], return_counts=True)
-        pairs = zip((keys >> 32).tolist(), (keys & 0xFFFFFFFF).tolist())
+        pairs = zip((keys >> 32).tolist(), (keys & 0xFFFFFFFF).tolist(), strict=True)
     else:
         rows = np.stack([contexts[moved], unsigned[moved].view(np.int64)], axis=1)
         keys, counts = np.unique(rows, axis=0, return_counts=True)
         pairs = map(tuple, keys.tolist())
-    histogram.update(zip(pairs, counts.tolist()))
+    histogram.update(zip(pairs, counts.tolist(), strict=True))
     return histogram
 
 
@@ -287,7 +286,7 @@ def compare(title: str, old: Tensors, new: Tensors, all_threads: int, repeats: i
         for make in [xor_zstd, zipnn_delta] + [
                 partial(liverl, threads=t, format=f, path=Path(tmp) / "delta") for f, t in runs]:
             task = progress.add_task("", total=(2 * repeats + 1) * len(new))
-            scheme = make(old, new, lambda: progress.advance(task))
+            scheme = make(old, new, lambda task=task: progress.advance(task))
             if scheme:
                 progress.update(task, description=scheme[0])
                 threads = make.keywords["threads"] if isinstance(make, partial) else 1
@@ -391,7 +390,7 @@ def synthetic(layers: int = typer.Option(10, help="MoE layers (10: 1.25B paramet
               lr: list[float] = typer.Option([1e-6, 1e-5], help="Adam learning rates (repeatable)."),
               steps: int = typer.Option(1, min=1, help="Compare the versions after these Adam steps and the one "
                                                        "before (1: the first step; 20: the warmed-up case)."),
-              seed: int = 0, threads: Optional[int] = Threads, repeats: int = Repeats) -> None:
+              seed: int = 0, threads: int | None = Threads, repeats: int = Repeats) -> None:
     """A synthetic MoE stepped by Adam, published in bf16."""
     for rate in lr:
         # One learning rate at a time, so only two bf16 copies of the model are held:
@@ -425,7 +424,7 @@ def _release_freed_memory() -> None:
 
 @app.command()
 def dirs(old_dir: Path = typer.Argument(..., exists=True), new_dir: Path = typer.Argument(..., exists=True),
-         threads: Optional[int] = Threads, repeats: int = Repeats) -> None:
+         threads: int | None = Threads, repeats: int = Repeats) -> None:
     """Two checkpoint directories, e.g. consecutive policy versions."""
     compare(f"{old_dir} -> {new_dir}", Checkpoint(old_dir), Checkpoint(new_dir), threads or os.cpu_count() or 1,
             repeats)

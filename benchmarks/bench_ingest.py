@@ -133,7 +133,8 @@ def visibility(settings: Settings, key: str, samples: int) -> dict:
 
 def main(seconds: float = 30.0, concurrency: int = 8, batch_size: int = 100, visibility_samples: int = 40,
          burst_only: bool = typer.Option(False, help="Only the throughput phase: no catch-up, no visibility."),
-         quiet_cores: float = typer.Option(0.25, help="Start the burst once the stack uses less CPU than this.")) -> None:
+         quiet_cores: float = typer.Option(0.25, help="Start the burst once the stack uses less CPU than this."),
+         ) -> None:
     settings = Settings()
     started_here = read_manifest(settings) is None
     if started_here:

@@ -105,7 +105,8 @@ def report(rows: list[dict], minutes: float, set_: list[str]) -> str:
     lines = [f"`.venv/bin/python benchmarks/bench_learning.py {seeds} --minutes {minutes:g}"
              + "".join(f" --set {s}" for s in set_) + "`",
              "", f"{time.strftime('%a %b %d %H:%M UTC %Y', time.gmtime())}; {cpu}, {os.cpu_count()} CPUs", "",
-             "| seed | starter | last two minutes (95% CI) | +40 points at | versions served | stopped by the guard | stable regressions |",
+             "| seed | starter | last two minutes (95% CI) | +40 points at | versions served "
+             "| stopped by the guard | stable regressions |",
              "|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lo, hi = r["last_2_min_ci"]

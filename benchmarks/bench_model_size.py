@@ -35,7 +35,6 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Optional
 
 import psutil
 import typer
@@ -301,7 +300,7 @@ def main(sizes: list[str] = typer.Option(["starter", "1x8", "1x32", "1x128"], he
          max_tokens: int = typer.Option(16, help="Tokens per completion."),
          batch: int = typer.Option(32, help="Samples per version (learner.batch_samples)."),
          out: Path = typer.Option(ROOT / "bench-size", help="Results, models and state."),
-         plot_only: Optional[Path] = typer.Option(None, help="Only plot every row of OUT/results.jsonl "
+         plot_only: Path | None = typer.Option(None, help="Only plot every row of OUT/results.jsonl "
                                                   "(sizes from several runs) to this PNG.")) -> None:
     if plot_only:
         plot([json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()], plot_only)

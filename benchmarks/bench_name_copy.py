@@ -41,7 +41,8 @@ def copy_steps(model, tokenizer, name: str) -> list[tuple[str, float, str, float
 
 def main(model: Path = typer.Option(Path(".liverl/starter"), help="HF checkpoint."),
          pool: str = typer.Option("heldout", help=f"Parameter names: {', '.join(POOLS)}."),
-         summary: bool = typer.Option(False, help="Only how many names of one token and of several are copied.")) -> None:
+         summary: bool = typer.Option(False, help="Only how many names of one token and of several are copied."),
+         ) -> None:
     if pool not in POOLS:
         raise typer.BadParameter(f"no pool {pool!r} (one of {', '.join(POOLS)})", param_hint="--pool")
     tokenizer = AutoTokenizer.from_pretrained(model)

@@ -80,8 +80,8 @@ def plot(points: list[dict], train_reward: list[dict], path: Path, minutes: floa
     fig, ax = plt.subplots(figsize=(8, 4.5))
     at = [p["at_s"] for p in points]
     rate = [p["pass_rate"] for p in points]
-    ax.errorbar(at, rate, yerr=[[r - p["ci"][0] for r, p in zip(rate, points)],
-                                [p["ci"][1] - r for r, p in zip(rate, points)]], fmt="o-", capsize=3,
+    ax.errorbar(at, rate, yerr=[[r - p["ci"][0] for r, p in zip(rate, points, strict=True)],
+                                [p["ci"][1] - r for r, p in zip(rate, points, strict=True)]], fmt="o-", capsize=3,
                 label="held-out pass rate, greedy (95% CI)")
     reward = [r for r in train_reward if r["mean_reward"] is not None]
     ax.plot([r["at_s"] for r in reward], [r["mean_reward"] for r in reward], color="tab:gray",

@@ -77,15 +77,16 @@ def main(functions: int = typer.Option(40000, min=0, help="Primer functions appe
         held = env.heldout(200, seed=0)
         lines = [first_lines(model, tokenizer, t, 1, True, 16)[0] for t in held]
         rates["held-out (200, all levels), greedy"] = sum(scoring.map(env.solved, held, lines)) / len(held)
-    table = Table(title=f"starter of width {hidden_size}, {layers} layers, {functions} primer functions, {steps} steps, "
-                        f"embeddings {'tied' if tie else 'untied'} in mid-training")
+    table = Table(title=f"starter of width {hidden_size}, {layers} layers, {functions} primer functions, "
+                        f"{steps} steps, embeddings {'tied' if tie else 'untied'} in mid-training")
     table.add_column("tasks")
     table.add_column("pass rate")
     for name, rate in rates.items():
         table.add_row(name, f"{rate:.1%}")
     console.print(table)
     pool = name_pool(tokenizer)
-    probe = copy_probe(model, tokenizer, pool[:: max(1, len(pool) // 8)][:8] + PARAMS["train"][:4] + PARAMS["heldout"][:4])
+    probe = copy_probe(model, tokenizer,
+                       pool[:: max(1, len(pool) // 8)][:8] + PARAMS["train"][:4] + PARAMS["heldout"][:4])
     console.print("greedy token after `return` (in the primer's pool, then the train and held-out names):")
     console.print(json.dumps(probe))
 
