@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from datetime import UTC
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -24,11 +25,11 @@ from liverl.audit import AuditLog
 from liverl.contracts import CapacityEvent
 from liverl.kafka import make_producer
 from liverl.lending import read_events, read_pause, set_pause
+from liverl.load import GatewayLoad
 from liverl.pool import ROLLOUT, Pool, Replica, read_pool, write_pool
 from liverl.settings import CapacityConfig, PromotionConfig, RolloutsConfig, Settings
 from rollouts.worker import RolloutWorker
 from serving.capacity import Decision, Hysteresis, Scheduler, create_app
-from liverl.load import GatewayLoad
 from sync.replica import ReplicaSync
 
 
@@ -246,7 +247,8 @@ def test_on_call_pauses_lending_through_the_api_and_a_restart_keeps_it(settings,
             assert Scheduler(eager).step() is None
             assert [e.reason for e in AuditLog(settings.audit_file).entries(1, action="capacity.pause")] == [
                 "a launch at noon"]  # audited: the newest pause in the shared stack's log
-            assert api.post("/admin/resume", json={"reason": "launched"}, headers=admin).json() == {"paused": False, "lent": []}
+            resumed = api.post("/admin/resume", json={"reason": "launched"}, headers=admin)
+            assert resumed.json() == {"paused": False, "lent": []}
             wait_for(lambda: read_pool(settings).lent, timeout=60)
             # Back as the other tests expect the pool: nothing lent, lending on.
             assert api.post("/admin/pause", json={"reason": "end of test"}, headers=admin).json()["lent"] == []
@@ -603,7 +605,7 @@ def test_the_demo_day_lends_only_with_no_production_and_the_first_request_takes_
 def test_two_doors_pausing_at_once_both_succeed(tmp_path):
     """The dashboard (through the controller) and the CLI (through the scheduler) may
     write the pause at the same moment: neither fails, and one whole pause is kept."""
-    from datetime import datetime, timezone
+    from datetime import datetime
 
     from liverl.lending import LendingPause
 
@@ -614,7 +616,7 @@ def test_two_doors_pausing_at_once_both_succeed(tmp_path):
     def pause(actor: str) -> None:
         for _ in range(300):
             try:
-                set_pause(settings, LendingPause(actor=actor, reason="an incident", at=datetime.now(timezone.utc)))
+                set_pause(settings, LendingPause(actor=actor, reason="an incident", at=datetime.now(UTC)))
             except Exception as error:  # noqa: BLE001 - any failure is the finding
                 failed.append(error)
 

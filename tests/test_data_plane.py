@@ -120,7 +120,7 @@ def test_bad_input_gets_documented_answers(api, settings):
                         .replace('"NaN"', "NaN"))
     assert response.status_code == 207
     results = response.json()["results"]
-    for (sent, expected), result in zip(bad, results):
+    for (sent, expected), result in zip(bad, results, strict=True):
         assert result["status"] >= 400 and expected in result["error"], (sent, result)
     assert response.json()["accepted"] == 0
 
@@ -212,8 +212,8 @@ def test_a_completion_takes_a_bounded_number_of_feedback_events(settings, openai
                        and len(rows) == 2 and rows)
     assert {json.loads(r["payload"])["event_id"] for r in refused} == {e["id"] for e in events[cap:]}
     # At most one sample revision per joined event (fewer if the trajectory came last).
-    revisions = wait_for(lambda: (rows := sql(settings, f"SELECT count() AS n, max(revision) AS last FROM samples "
-                                                        f"WHERE sample_id = 'dev:{completion_id}'")) and rows[0]["n"] and rows)
+    query = f"SELECT count() AS n, max(revision) AS last FROM samples WHERE sample_id = 'dev:{completion_id}'"
+    revisions = wait_for(lambda: (rows := sql(settings, query)) and rows[0]["n"] and rows)
     assert revisions[0]["last"] < cap
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import threading
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import pytest
 
@@ -109,7 +109,7 @@ def test_capacity_summary_splits_latency_by_lent_periods():
 
     def event(action: str, at: float, seconds: float = 0.0) -> CapacityEvent:
         return CapacityEvent(action=action, replica="replica-1", policy_version="v1", load=0.0, why="test",
-                             seconds=seconds, timestamp=datetime.fromtimestamp(1_000.0 + at, timezone.utc))
+                             seconds=seconds, timestamp=datetime.fromtimestamp(1_000.0 + at, UTC))
     result = capacity_summary(pop, [event("lend", 2.0), event("take_back", 20.0, seconds=1.5)], {"groups": 3})
     assert result["lent"] == [(2.0, 20.0, "replica-1")]
     assert result["latency_p99_s"] == {"lent": 1.0, "not_lent": 4.0, "peak": 4.0, "peak_full_length": 3.0}
@@ -132,7 +132,7 @@ def test_harvest_compares_lent_time_with_a_lent_replica_alone():
 def test_a_failed_take_back_keeps_the_replica_lent_until_the_retry_and_counts_from_the_first_ask():
     def event(action: str, at: float, seconds: float = 0.0, error: str | None = None) -> CapacityEvent:
         return CapacityEvent(action=action, replica="replica-1", policy_version="v1", load=2.0, why="test",
-                             seconds=seconds, error=error, timestamp=datetime.fromtimestamp(at, timezone.utc))
+                             seconds=seconds, error=error, timestamp=datetime.fromtimestamp(at, UTC))
     events = [event("lend", 10.0), event("take_back", 20.0, 1.0, error="swap failed"), event("take_back", 31.0, 0.5)]
     assert lent_intervals(events, 0.0, 40.0) == [(10.0, 31.0, "replica-1")]
     assert take_back_seconds(events) == [12.0]  # asked at 19 s, serving production at 31 s
@@ -150,7 +150,7 @@ def test_capacity_summary_counts_production_answered_by_a_lent_replica_and_retri
 
     def event(action: str, at: float) -> CapacityEvent:
         return CapacityEvent(action=action, replica="replica-1", policy_version="v1", load=0.0, why="test",
-                             seconds=0.1, timestamp=datetime.fromtimestamp(1_000.0 + at, timezone.utc))
+                             seconds=0.1, timestamp=datetime.fromtimestamp(1_000.0 + at, UTC))
     result = capacity_summary(pop, [event("lend", 2.0), event("take_back", 20.0)], {})
     assert result["production_on_lent_replica"] == 1
     assert result["production_retried"] == 1 and result["production_failed"] == 0

@@ -35,7 +35,7 @@ def sampled(starter_dir: Path, count: int = 12) -> list[RewardedSample]:
                                  output_scores=True, return_dict_in_generate=True,
                                  pad_token_id=tokenizer.pad_token_id)
         completion = out.sequences[0, len(prompt):].tolist()
-        logprobs = [torch.log_softmax(score[0], -1)[t].item() for score, t in zip(out.scores, completion)]
+        logprobs = [torch.log_softmax(score[0], -1)[t].item() for score, t in zip(out.scores, completion, strict=True)]
         trajectory = Trajectory(event_id=f"t{i}", tenant="acme", completion_id=f"c{i}", policy_version="v0",
                                 prompt_token_ids=prompt, completion_token_ids=completion,
                                 completion_logprobs=logprobs)

@@ -61,7 +61,8 @@ def test_null_sampling_settings_are_served_and_recorded(settings, gateway):
                                                       "temperature": None, "top_p": None})
     assert response.status_code == 200, response.text
     cid = response.json()["completion_id"]
-    row = wait_for(lambda: sql(settings, f"SELECT count() AS n FROM trajectories WHERE completion_id = '{cid}'")[0]["n"])
+    query = f"SELECT count() AS n FROM trajectories WHERE completion_id = '{cid}'"
+    row = wait_for(lambda: sql(settings, query)[0]["n"])
     assert row == 1
 
 

@@ -53,7 +53,7 @@ def test_a_trajectory_must_fit_the_serving_policy(settings, api):
         "routed_experts ": trajectory(uuid.uuid4().hex, routed_experts=[[[10_000] * k] * layers] * 5),
     }
     answers = results(api, [*cases.values(), trajectory(uuid.uuid4().hex, routed_experts=right)])
-    for (field, _), answer in zip(cases.items(), answers):
+    for (field, _), answer in zip(cases.items(), answers[:-1], strict=True):
         assert answer["status"] == 400 and f"body.{field.strip()}" in answer["error"], answer
     assert answers[-1]["status"] == 201
 
@@ -117,7 +117,9 @@ def test_a_tenant_over_its_rate_gets_429_with_retry_after(tmp_path):
     calm, _ = KeyStore(settings.keys_file).create("calm")
     batch = {"batch": [item(f"r{i}", {"kind": "accept", "completion_id": "c"}) for i in range(5)]}
     with TestClient(create_app(settings)) as client:  # no broker: items answer 503, limits first
-        send = lambda key: client.post("/v1/ingestion", json=batch, headers={"Authorization": f"Bearer {key}"})
+        def send(key: str):
+            return client.post("/v1/ingestion", json=batch, headers={"Authorization": f"Bearer {key}"})
+
         assert send(busy).status_code == 207  # the burst
         refused = send(busy)
         assert refused.status_code == 429 and int(refused.headers["retry-after"]) >= 1

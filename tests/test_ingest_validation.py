@@ -37,7 +37,7 @@ def test_a_plain_feedback_batch_gives_the_events_item_by_item_validation_gives()
     received_at = utcnow()
     whole = validated_items(body_of(batch), max_items=100)
     assert all(isinstance(validated, FeedbackItem) for _, _, validated in whole)
-    for (item_id, item_type, validated), raw in zip(whole, batch):
+    for (item_id, item_type, validated), raw in zip(whole, batch, strict=True):
         one_by_one = IngestItem.model_validate(raw)
         assert (item_id, item_type) == (raw["id"], "feedback")
         assert as_sent(to_event(validated, "acme", received_at)) == as_sent(to_event(one_by_one, "acme", received_at))

@@ -45,7 +45,8 @@ def test_a_trust_region_around_what_served_moves_less_than_reinforce_on_the_same
     samples = sampled(starter_dir, count=6)
     config = LearnerConfig(minibatch=6, lr=1e-3, epochs=12)
     free = Trainer(starter_dir, config).train(samples)
-    bounded = Trainer(starter_dir, config.model_copy(update={"objective": "ppo", "proximal": "behaviour"})).train(samples)
+    ppo = config.model_copy(update={"objective": "ppo", "proximal": "behaviour"})
+    bounded = Trainer(starter_dir, ppo).train(samples)
     assert bounded["mean_is_weight"] == pytest.approx(1.0) and bounded["untrainable"] == {}
     assert bounded["clipped_fraction"] > 0.1
     assert bounded["kl_from_parent"] < 0.75 * free["kl_from_parent"]  # 0.83 against 1.77 here

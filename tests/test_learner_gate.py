@@ -21,8 +21,8 @@ def test_the_parent_half_of_the_gate_is_reused_and_equal_to_a_fresh_one(starter_
     learner.holdout = samples[:8]
     learner.current = SimpleNamespace(version="v1")
     # v1's gate computed these when v1 was the candidate; v2 trains on top of it.
-    learner.holdout_ratios = ("v1", {s.event_id: r for s, r in
-                                     zip(learner.holdout, learner.trainer.mean_log_ratios(learner.holdout).tolist())})
+    ratios = learner.trainer.mean_log_ratios(learner.holdout).tolist()
+    learner.holdout_ratios = ("v1", {s.event_id: r for s, r in zip(learner.holdout, ratios, strict=True)})
     learner.trainer.train(samples[8:], seed=0)
     learner.holdout = samples[:10]  # two held out since
 

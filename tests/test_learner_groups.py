@@ -9,6 +9,9 @@ from types import SimpleNamespace
 
 from learner.service import OpenGroup, choose_groups, unserved_chain
 
+# The learner's drop counter, stubbed: these tests read what it decides, not what it counts.
+UNCOUNTED = SimpleNamespace(labels=lambda reason: SimpleNamespace(inc=lambda: 0))
+
 
 def groups(*sizes: int) -> list[OpenGroup]:
     made = [OpenGroup(size=n, policy_version="v1", opened=float(i)) for i, n in enumerate(sizes)]
@@ -132,7 +135,7 @@ def complete(size: int, version: str, opened: float = 0.0) -> OpenGroup:
 def test_a_version_is_due_for_what_it_will_train_not_for_groups_the_share_holds_back(monkeypatch):
     # 10 production samples at half rollouts leave room for one group of 8: 18 samples,
     # not the batch of 96 that 25 waiting groups seemed to make (a version of 18 at every poll).
-    monkeypatch.setattr("learner.service.DROPPED", SimpleNamespace(labels=lambda reason: SimpleNamespace(inc=lambda: 0)))
+    monkeypatch.setattr("learner.service.DROPPED", UNCOUNTED)
     waiting = [complete(8, "v5", opened=float(i)) for i in range(25)]
     learner = learner_with({"batch_samples": 96, "rollout_share": 0.5}, pending=10, groups_waiting=waiting)
     assert not learner.due()
@@ -142,7 +145,7 @@ def test_a_version_is_due_for_what_it_will_train_not_for_groups_the_share_holds_
 
 
 def test_a_group_the_share_held_back_past_the_version_lag_is_dropped_as_stale_not_trained(monkeypatch):
-    monkeypatch.setattr("learner.service.DROPPED", SimpleNamespace(labels=lambda reason: SimpleNamespace(inc=lambda: 0)))
+    monkeypatch.setattr("learner.service.DROPPED", UNCOUNTED)
     # 8 production samples at a share of a half: room for one group of 8 per version.
     first, second = complete(8, "v1", opened=1.0), complete(8, "v1", opened=2.0)
     learner = learner_with({"max_version_lag": 3, "rollout_share": 0.5}, pending=8, groups_waiting=[first, second],
@@ -157,7 +160,8 @@ def test_a_group_the_share_held_back_past_the_version_lag_is_dropped_as_stale_no
     assert learner.take_groups() == [just_complete]
     held = complete(8, "v1", opened=4.0)
     held.passed_over = 2
-    learner = learner_with({"max_version_lag": 3, "rollout_share": 0.5}, pending=8, groups_waiting=[held], current_seq=5)
+    learner = learner_with({"max_version_lag": 3, "rollout_share": 0.5}, pending=8, groups_waiting=[held],
+                           current_seq=5)
     learner.serving = {"v1"}  # what serves now is never stale
     assert learner.take_groups() == [held]
 
@@ -169,7 +173,8 @@ def test_what_lent_replicas_serve_counts_as_serving(tmp_path):
 
     learner = Learner.__new__(Learner)
     learner.settings = Settings(data_dir=tmp_path)
-    learner.registry = SimpleNamespace(in_state=lambda state: [SimpleNamespace(version="v3")] if state == "stable" else [])
+    learner.registry = SimpleNamespace(
+        in_state=lambda state: [SimpleNamespace(version="v3")] if state == "stable" else [])
     write_pool(learner.settings, Pool(replicas=[
         Replica(name="r0", url="u", policy_version="v3", model_dir="/m"),
         Replica(name="r1", url="u", policy_version="v9", model_dir="/m", alias=ROLLOUT)]))
@@ -190,7 +195,7 @@ def test_a_group_whose_rewards_are_all_equal_is_dropped_when_asked_and_counts_to
     # would fill a version's batch with nothing to learn. Held-out groups still reach the gate.
     from kafka import TopicPartition
 
-    monkeypatch.setattr("learner.service.DROPPED", SimpleNamespace(labels=lambda reason: SimpleNamespace(inc=lambda: 0)))
+    monkeypatch.setattr("learner.service.DROPPED", UNCOUNTED)
     monkeypatch.setattr("learner.service.held_out", lambda sample, fraction: sample.trajectory.group_id == "kept-out")
     learner = learner_with({"batch_samples": 8, "drop_uniform_groups": True})
     tp = TopicPartition("trajectories", 0)

@@ -77,7 +77,7 @@ def test_optimizer_state_round_trips_without_unpickling(starter_dir: Path, tmp_p
     trainer.save_state(tmp_path / "v1.pt")
     resumed = Trainer(starter_dir, LearnerConfig(minibatch=4, lr=1e-3), tmp_path / "v1.pt")  # weights_only=True
     assert all(torch.equal(a, b) for a, b in zip(trainer.model.state_dict().values(),
-                                                 resumed.model.state_dict().values()))
+                                                 resumed.model.state_dict().values(), strict=True))
     assert resumed.baseline.means == trainer.baseline.means
 
 
@@ -88,7 +88,7 @@ def test_groups_are_scoped_by_tenant(starter_dir: Path):
     tenants = ["acme", "acme", "globex", "globex"]
     samples = [s.model_copy(update={"reward": r, "tenant": t,
                                     "trajectory": s.trajectory.model_copy(update={"group_id": "g1"})})
-               for s, r, t in zip(samples, rewards, tenants)]
+               for s, r, t in zip(samples, rewards, tenants, strict=True)]
     advantages = trainer.advantages(samples)
     # acme's group is (1, 0): +1 and -1. globex's (1, 1) teaches nothing; shared with acme's
     # it would have been pulled above a common mean of 0.75.
@@ -124,7 +124,7 @@ def test_poison_samples_are_dead_lettered_while_good_ones_train(settings, stack,
     good = sampled(starter_dir, count=settings.learner.batch_samples)
     marker = uuid.uuid4().hex[:8]
     poison = []
-    for i, (name, change) in enumerate(BAD_SHAPES.items()):
+    for i, change in enumerate(BAD_SHAPES.values()):
         change = {k: v for k, v in change.items() if k != "routed_experts"} or {
             "routed_experts": [[[0] * 99] * 99]}  # any routing wrong for the starter's shape
         sample = bad(good[i], **change, policy_version=start.version)
@@ -139,8 +139,9 @@ def test_poison_samples_are_dead_lettered_while_good_ones_train(settings, stack,
     version = wait_for(lambda: next((v for v in registry.versions() if v.seq > start.seq
                                      and v.window and v.window.samples >= len(good) // 2), None), timeout=180)
     assert version.metrics["dropped"]["malformed"] >= len(poison)
-    letters = wait_for(lambda: (rows := sql(settings, f"SELECT reason FROM dead_letters WHERE source_topic = "
-                                                      f"'{Topics.SAMPLES}' AND position(payload, 'poison-{marker}') > 0"))
+    query = (f"SELECT reason FROM dead_letters WHERE source_topic = '{Topics.SAMPLES}' "
+             f"AND position(payload, 'poison-{marker}') > 0")
+    letters = wait_for(lambda: (rows := sql(settings, query))
                        and len(rows) == len(poison) and rows, timeout=60)
     assert all(r["reason"].startswith("malformed") for r in letters)
     assert httpx.get(settings.url(settings.ports.learner) + "/health", timeout=10).json()["ok"]

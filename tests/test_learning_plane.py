@@ -86,7 +86,7 @@ def test_stale_samples_are_dropped_and_counted(settings, api):
         seq = registry.latest().seq
         api.post("/v1/ingestion", json={"batch": synthetic_batch(
             settings.learner.batch_samples, registry.latest().version)})
-        wait_for(lambda: registry.latest().seq > seq, timeout=120)
+        wait_for(lambda seq=seq: registry.latest().seq > seq, timeout=120)
     start = registry.latest().seq
     stale = synthetic_batch(8, "v0")
     fresh = synthetic_batch(settings.learner.batch_samples, registry.latest().version)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import httpx
@@ -78,7 +78,8 @@ def test_every_change_needs_a_reason_and_an_illegal_one_says_what_is_allowed(con
     for live in (t for f in figures.values() for t in f["tenants"].values()):
         assert live["served"] > 0 and 0 <= live["accept_ci"][0] <= live["accept_ci"][1] <= 1
     # The CLI says the same, and needs --reason before it calls anything.
-    result = CliRunner().invoke(app, ["policy", "abort", stable, "--reason", "bad", "--data-dir", str(settings.data_dir)])
+    result = CliRunner().invoke(app, ["policy", "abort", stable, "--reason", "bad",
+                                      "--data-dir", str(settings.data_dir)])
     assert result.exit_code == 1 and "cannot become aborted" in result.output
     assert CliRunner().invoke(app, ["policy", "pin", "--data-dir", str(settings.data_dir)]).exit_code == 2
 
@@ -128,7 +129,7 @@ def test_rollback_through_the_api_under_load_drops_nothing_and_serves_everywhere
     assert last["reason"] == "users complain about the new one"
     assert last["actor"] == hash_key(admin_key(settings))[:12]  # the key that asked
     # Which version served the load's tenant just now, from ClickHouse's request log.
-    now = (datetime.now(timezone.utc) + timedelta(seconds=1)).strftime("%Y-%m-%dT%H:%M:%S")  # after it, whole s
+    now = (datetime.now(UTC) + timedelta(seconds=1)).strftime("%Y-%m-%dT%H:%M:%S")  # after it, whole s
 
     def served_now() -> dict | None:
         result = CliRunner().invoke(app, ["policy", "history", "--tenant", "dev", "--at", now, "--json",
@@ -265,7 +266,7 @@ def test_every_policy_and_learner_command_has_its_admin_endpoint(settings, contr
     assert controller.get("/admin/diff/v0/v99999").status_code == 404
     assert [(h["version"], h["to"], h["reason"]) for h in controller.get("/admin/history").json()] == [
         (h["version"], h["to"], h["reason"]) for h in cli_json("policy", "history")]
-    now = datetime.now(timezone.utc).replace(microsecond=0).isoformat()
+    now = datetime.now(UTC).replace(microsecond=0).isoformat()
     served = controller.get("/admin/served", params={"tenant": "dev", "at": now}).json()
     assert served["stable"] == [stable] and served == cli_json("policy", "history", "--tenant", "dev", "--at",
                                                                now.split("+")[0])

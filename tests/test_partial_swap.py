@@ -41,7 +41,8 @@ def variant(parent: Path, out: Path, touch, seed: int = 0) -> Path:
     for name, tensor in tensors.items():
         if touch(name):
             values = tensor.float()
-            tensors[name] = (values + torch.randn(values.shape, generator=generator) * values.std() * 0.5).to(tensor.dtype)
+            noise = torch.randn(values.shape, generator=generator) * values.std() * 0.5
+            tensors[name] = (values + noise).to(tensor.dtype)
     save_file(tensors, out / "model.safetensors", metadata=metadata)
     (out / PROBE_FILE).write_text(json.dumps(probe_logprobs(out, AutoTokenizer.from_pretrained(out))))
     return out

@@ -254,7 +254,8 @@ SNOOPERS = {
                               open(f'/proc/{{os.getppid()}}/environ').read().split('\\0') if '=' in line))
             return int(open(f'/proc/{{os.getppid()}}/mem', 'rb').read(1))
     """),
-    "the-harness-source": "def answer():\n    return re.search(r'expected.*?(\\d{{13}})', open({harness!r}).read())[1]\n",
+    "the-harness-source": "def answer():\n"
+                          "    return re.search(r'expected.*?(\\d{{13}})', open({harness!r}).read())[1]\n",
 }
 
 

@@ -50,7 +50,8 @@ def test_one_event_id_two_tenants_two_rows(sink):
 
     sink.store(Topics.FEEDBACK, [event("acme"), event("globex")])
     sink.store(Topics.FEEDBACK, [event("globex")])  # a real duplicate
-    rows = query_json(sink.warehouse, "SELECT tenant, count() AS n FROM feedback_events GROUP BY tenant ORDER BY tenant")
+    rows = query_json(sink.warehouse,
+                      "SELECT tenant, count() AS n FROM feedback_events GROUP BY tenant ORDER BY tenant")
     assert rows == [{"tenant": "acme", "n": 1}, {"tenant": "globex", "n": 1}]
 
 

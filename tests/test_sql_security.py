@@ -69,7 +69,8 @@ SHAPES = {  # every way a tenant might reach another tenant's rows
     "join": "SELECT DISTINCT b.tenant AS tenant FROM feedback_events a JOIN feedback_events b ON 1 = 1",
     "union": "SELECT tenant FROM feedback_events UNION ALL SELECT tenant FROM requests",
     "cte": "WITH x AS (SELECT tenant FROM feedback_events) SELECT DISTINCT tenant FROM x",
-    "in subquery": "SELECT DISTINCT tenant FROM feedback_events WHERE event_id IN (SELECT event_id FROM feedback_events)",
+    "in subquery": "SELECT DISTINCT tenant FROM feedback_events "
+                   "WHERE event_id IN (SELECT event_id FROM feedback_events)",
     "alias named like another table": "SELECT DISTINCT samples.tenant AS tenant FROM feedback_events AS samples",
     "dead letters": "SELECT DISTINCT tenant FROM dead_letters",
     "rollup": "SELECT DISTINCT tenant FROM version_hourly",

@@ -11,14 +11,14 @@ import time
 
 import httpx
 import pytest
+from helpers import wait_for
 
 import liverl.pool
 import serving.swap
 from app.stack import stop_all
-from helpers import wait_for
 from liverl.pool import ROLLOUT, SERVED_MODEL_NAME, Pool, Replica, read_pool, replica_client, set_replica, write_pool
-from liverl.process import alive
 from liverl.probe import PROBE_FILE
+from liverl.process import alive
 from liverl.settings import PromotionConfig, Settings
 from policies.registry import Registry
 from promotion.controller import Controller
@@ -66,8 +66,9 @@ def test_a_swap_that_fails_in_any_way_reverts_and_says_why(settings, paused_lear
     assert not report.ok and report.reverted and "FileNotFoundError" in report.error
     back = read_pool(settings).get(replica.name)
     assert back.enabled and back.policy_version == replica.policy_version
+    tenant_key = json.loads(settings.dev_keys_file.read_text())["tenant_key"]
     assert httpx.post(settings.url(settings.ports.gateway) + "/v1/completions", timeout=60,
-                      headers={"Authorization": "Bearer " + json.loads(settings.dev_keys_file.read_text())["tenant_key"]},
+                      headers={"Authorization": "Bearer " + tenant_key},
                       json={"prompt": "x = ", "max_tokens": 2}).status_code == 200
 
 

@@ -340,7 +340,7 @@ def mixed_delta(tmp_path, request):
     old = {f"{dtype}".removeprefix("torch."): random_tensor(rng, dtype, (300,)) for dtype in FLOATS + OTHERS}
     old["gone"] = random_tensor(rng, torch.bfloat16, (10,))
     new = {name: step(rng, t, density, kind) for (name, t), (density, kind) in
-           zip(old.items(), [(0.02, "ulps"), (0.9, "ulps"), (0.3, "sign"), (0.5, "bits")] * 4)
+           zip(old.items(), [(0.02, "ulps"), (0.9, "ulps"), (0.3, "sign"), (0.5, "bits")] * 4, strict=False)
            if name != "gone"}
     new["bfloat16"] = old["bfloat16"].clone()
     new["fresh"] = random_tensor(rng, torch.float16, (64,))
