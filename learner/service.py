@@ -146,7 +146,9 @@ class Learner:
         self.registry = Registry(settings.policies_dir)
         self.state_dir = settings.data_dir / "learner"
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        self.current: PolicyVersion = self.registry.head()
+        head = self.registry.head()
+        assert head is not None, "the stack registers the starter (v0) before the learner starts"
+        self.current: PolicyVersion = head
         rewind = self.registry.last_rewind()
         self.applied_rewind = rewind.id if rewind else 0  # head() has taken it into account
         self.trainer = self.trainer_at(self.current)
@@ -253,6 +255,7 @@ class Learner:
         whole (`choose_groups`): a group is trained in one version, never half-scored."""
         trajectory = sample.trajectory
         key = f"{sample.tenant}:{trajectory.group_id}"
+        assert trajectory.group_size is not None, "only a sized group's members are gathered"
         group = self.open_groups.setdefault(key, OpenGroup(trajectory.group_size, trajectory.policy_version))
         if (trajectory.group_size, trajectory.policy_version) != (group.size, group.policy_version):
             self.dead_letter(f"malformed: group {trajectory.group_id} has members of size {group.size} from "
@@ -320,7 +323,7 @@ class Learner:
         """Consumed offsets, held back to the first member of any group not yet trained
         (incomplete, or complete and waiting for a version): a restart reads those members
         again (samples trained meanwhile are skipped as already trained)."""
-        held = {}
+        held: dict[TopicPartition, int] = {}
         for group in self.open_groups.values():
             for tp, offset in group.first_offsets.items():
                 held[tp] = min(offset, held.get(tp, offset))
@@ -356,7 +359,7 @@ class Learner:
         train = [s for s in batch if not held_out(s, self.config.holdout_fraction)]
         self.holdout = (self.holdout + [s for s in batch if held_out(s, self.config.holdout_fraction)])[-512:]
         if self.config.kl_coef > 0 and self.config.kl_reference == "stable":
-            self.trainer.use_reference(Path(self.registry.stable().model_dir))
+            self.trainer.use_reference(Path(self.stable().model_dir))
         started = time.time()
         metrics = self.trainer.train(train or batch, seed=self.current.seq)
         metrics["train_seconds"] = time.time() - started
@@ -394,10 +397,10 @@ class Learner:
         unnamed_state.replace(self.state_dir / f"{version.version}.pt")
         if self.holdout:
             self.holdout_ratios = (version.version, {s.event_id: r for s, r in
-                                                     zip(self.holdout, candidate_ratios.tolist())})
+                                                     zip(self.holdout, candidate_ratios.tolist(), strict=True)})
         if (gate := metrics.get("gate")) and gate["too_far_from_stable"]:
             # Every version trained on top would be further still: continue from what users get.
-            self.registry.request_rewind(self.registry.stable().version, "learner", f"{version.version} {gate['reason']}")
+            self.registry.request_rewind(self.stable().version, "learner", f"{version.version} {gate['reason']}")
         # After the registry has it: a crash here re-reads the offsets from the registry.
         crash_point("learner.after_publish")
         self.commit(consumer)
@@ -415,6 +418,13 @@ class Learner:
                 state.unlink()
         return version
 
+    def stable(self) -> PolicyVersion:
+        """What users get: the starter is stable from the start, and a version leaves stable
+        only when another takes its place."""
+        stable = self.registry.stable()
+        assert stable is not None, "the registry always has a stable version"
+        return stable
+
     def parent_log_ratios(self) -> torch.Tensor:
         """The held-out samples' mean log-ratios under the parent: those the parent's own
         gate computed, and the rest (held out since, or all after a rewind or restart)
@@ -423,7 +433,7 @@ class Learner:
         known = dict(known) if version == self.current.version else {}
         if missing := [s for s in self.holdout if s.event_id not in known]:
             known.update(zip((s.event_id for s in missing),
-                             self.trainer.mean_log_ratios(missing, of_parent=True).tolist()))
+                             self.trainer.mean_log_ratios(missing, of_parent=True).tolist(), strict=True))
         return torch.tensor([known[s.event_id] for s in self.holdout])
 
     def kl_from_stable(self, staged: Path) -> float | None:
