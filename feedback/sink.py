@@ -14,7 +14,7 @@ import hashlib
 import json
 import time
 from contextlib import asynccontextmanager
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any, Literal
 
 from aiokafka import AIOKafkaConsumer
@@ -107,7 +107,7 @@ def dead_letter_row(d: DeadLetter) -> dict:
 
 def policy_version_row(p: PolicyVersionEvent) -> dict:
     return dict(event_id=p.event_id, version=p.version, parent=p.parent,
-                created_at=_ts(datetime.fromtimestamp(p.created_at, timezone.utc)),
+                created_at=_ts(datetime.fromtimestamp(p.created_at, UTC)),
                 updated_at=_ts(p.timestamp), state=p.state, content_hash=p.content_hash,
                 metrics=json.dumps(p.metrics))
 
@@ -245,7 +245,7 @@ async def gather(consumer: AIOKafkaConsumer, batch_s: float, most: int = 5000) -
 
 
 # ClickHouse's DateTime64 holds 1900-2299; the figures concern completions served since 1970.
-EPOCH, FAR = datetime(1970, 1, 1, tzinfo=timezone.utc), datetime(2200, 1, 1, tzinfo=timezone.utc)
+EPOCH, FAR = datetime(1970, 1, 1, tzinfo=UTC), datetime(2200, 1, 1, tzinfo=UTC)
 
 
 class FiguresRequest(BaseModel):
@@ -309,10 +309,11 @@ def window(request: FiguresRequest) -> dict[str, str]:
 
 
 def figures_sql(request: FiguresRequest) -> str:
+    bucket = (f"toUnixTimestamp(toStartOfInterval(toDateTime(served), INTERVAL {request.bucket_s} SECOND)) AS bucket,"
+              if request.bucket_s else "")
     return FIGURES_SQL.format(**window(request),
                               production="AND source != 'rollout'" if request.production_only else "",
-                              bucket=f"toUnixTimestamp(toStartOfInterval(toDateTime(served), INTERVAL {request.bucket_s} SECOND)) AS bucket,"
-                              if request.bucket_s else "", by_bucket=", bucket" if request.bucket_s else "")
+                              bucket=bucket, by_bucket=", bucket" if request.bucket_s else "")
 
 
 class SqlRequest(BaseModel):

@@ -6,10 +6,10 @@ import collections
 import gc
 import json
 import time
-from pathlib import Path
 from collections import OrderedDict
 from contextlib import asynccontextmanager
 from datetime import datetime
+from pathlib import Path
 from typing import NamedTuple, get_args
 
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
@@ -17,12 +17,21 @@ from fastapi.responses import Response
 from prometheus_client import Counter, Histogram
 from pydantic import ValidationError
 
-from ingest.schemas import (FeedbackBatch, IngestItem, IngestResponse, ItemError, ItemForbidden, ItemResult,
-                            KeyRequest, describe, to_event)
+from ingest.schemas import (
+    FeedbackBatch,
+    IngestItem,
+    IngestResponse,
+    ItemError,
+    ItemForbidden,
+    ItemResult,
+    KeyRequest,
+    describe,
+    to_event,
+)
 from liverl.contracts import Architecture, utcnow
 from liverl.http import Audit, read_json, service_app
-from liverl.keys import KeyRecord, require_admin, require_key
 from liverl.kafka import BatchProducer, encode
+from liverl.keys import KeyRecord, require_admin, require_key
 from liverl.observability import log, setup_logging
 from liverl.ratelimit import TenantRateLimiter
 from liverl.settings import Settings, get_settings
@@ -180,7 +189,7 @@ class Ingestion:
         """Send; an item the broker did not acknowledge becomes a 503 and is not remembered
         as seen, so the client's retry is taken as new."""
         failures = await self.producer.send_many([send.message for send in sends])
-        for send, failure in zip(sends, failures):
+        for send, failure in zip(sends, failures, strict=True):
             if failure is not None:
                 results[send.index] = ItemResult(id=results[send.index].id, status=503,
                                                  error=f"broker did not acknowledge: {failure}")

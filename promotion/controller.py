@@ -32,7 +32,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
@@ -69,7 +69,7 @@ class Figures:
 
 
 def utc(t: float) -> str:
-    return datetime.fromtimestamp(t, timezone.utc).isoformat()
+    return datetime.fromtimestamp(t, UTC).isoformat()
 
 
 class QuietWatch:
@@ -270,7 +270,8 @@ class Controller:
             self.state = f"starting canary {newest.version}"
             # Recorded first, so a restart after the swap knows this canary is the controller's.
             self.registry.update_metrics(newest.version, canary={"started_at": time.time(), "stable": stable.version})
-            canary = self.promoter.start_canary(newest.version, ACTOR, "offline gate passed; judged live against stable")
+            canary = self.promoter.start_canary(newest.version, ACTOR,
+                                                "offline gate passed; judged live against stable")
         except Exception as error:
             return self.fail(newest.version, f"{type(error).__name__}: {error}")
         if canary.state == "canary":  # compared from when it serves
@@ -545,7 +546,7 @@ class Controller:
         if not same_tasks:
             return
         best, best_figures = max(same_tasks, key=lambda vf: vf[1]["pass_rate"])
-        pairs = list(zip(best_figures["solved"], figures["solved"]))
+        pairs = list(zip(best_figures["solved"], figures["solved"], strict=False))  # one task set: as long
         lost, gained = pairs.count(("1", "0")), pairs.count(("0", "1"))
         p = paired_loss_p(lost, gained)
         level = self.config.false_abort_rate / len(same_tasks)  # the best of several: Bonferroni

@@ -265,10 +265,11 @@ def rates_figure(rows: list[dict], bucket_s: int, minutes: int, now: float):
                                      color=line.get_color())
         means = [buckets[t][3] / buckets[t][2] for t in times]
         half = [1.96 * max(buckets[t][4] / buckets[t][2] - m * m, 0.0) ** 0.5 / buckets[t][2] ** 0.5
-                for t, m in zip(times, means)]
+                for t, m in zip(times, means, strict=True)]
         (line,) = reward_axes.plot(x, means, marker=".", label=version)
         line.set_gid(f"reward-{version}")
-        reward_axes.fill_between(x, [m - h for m, h in zip(means, half)], [m + h for m, h in zip(means, half)],
+        reward_axes.fill_between(x, [m - h for m, h in zip(means, half, strict=True)],
+                                 [m + h for m, h in zip(means, half, strict=True)],
                                  alpha=0.2, color=line.get_color())
     accept_axes.set_ylabel("accept rate")
     accept_axes.set_ylim(0, 1)

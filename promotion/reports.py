@@ -8,7 +8,7 @@ lineage and moves from the registry.
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import get_args
 
@@ -110,7 +110,8 @@ def logged_kl(settings: Settings, a: PolicyVersion, b: PolicyVersion, n: int) ->
     sequences = []
     for row in rows:
         prompt = tokenizer(row["prompt_text"])["input_ids"]
-        sequences.append((prompt + tokenizer(row["completion_text"], add_special_tokens=False)["input_ids"], len(prompt)))
+        completion = tokenizer(row["completion_text"], add_special_tokens=False)["input_ids"]
+        sequences.append((prompt + completion, len(prompt)))
     value = kl_between(Path(a.model_dir), Path(b.model_dir), sequences)
     return {"value": value, "completions": len(rows), "why": None if rows else "no logged completions yet"}
 
@@ -139,7 +140,7 @@ def served_at(settings: Settings, tenant: str, at: datetime, window_s: float = 6
     """Which versions answered `tenant` within `window_s` of `at` (ClickHouse's request
     log), and what was stable and canary then (the registry)."""
     checked(TenantId, tenant, "a tenant name (letters, digits, '.', '_', '-')")
-    at = at.replace(tzinfo=timezone.utc) if at.tzinfo is None else at.astimezone(timezone.utc)
+    at = at.replace(tzinfo=UTC) if at.tzinfo is None else at.astimezone(UTC)
     since, until = ((at + timedelta(seconds=s)).strftime("%Y-%m-%d %H:%M:%S") for s in (-window_s, window_s))
     served = sink_sql(settings, SERVED_SQL.format(tenant=tenant, since=since, until=until))
     states: dict[str, str] = {}

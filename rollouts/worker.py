@@ -37,8 +37,8 @@ from liverl.contracts import (
     new_id,
     utcnow,
 )
-from liverl.kafka import encode, make_producer
 from liverl.http import service_app
+from liverl.kafka import encode, make_producer
 from liverl.observability import log, setup_logging
 from liverl.pool import SERVED_MODEL_NAME, Replica, read_pool, replica_async_client
 from liverl.settings import Settings, get_settings
@@ -126,7 +126,8 @@ class RolloutWorker:
         return [Attempt(c.get("text") or "", {
             "prompt_token_ids": c.get("prompt_token_ids") or answer.get("prompt_token_ids") or [],
             "completion_token_ids": c.get("token_ids") or [],
-            "completion_logprobs": [lp for lp in (c.get("logprobs") or {}).get("token_logprobs") or [] if lp is not None],
+            "completion_logprobs": [lp for lp in (c.get("logprobs") or {}).get("token_logprobs") or []
+                                    if lp is not None],
             "routed_experts": c.get("routed_experts"), "finish_reason": c.get("finish_reason")},
             len(c.get("token_ids") or [])) for c in choices]
 
@@ -137,11 +138,11 @@ class RolloutWorker:
         loop = asyncio.get_running_loop()
         keys = [object() if (key := self.environment.scored_as(task, a.text)) is None else key for a in attempts]
         runs: dict[Any, str] = {}
-        for key, attempt in zip(keys, attempts):
+        for key, attempt in zip(keys, attempts, strict=True):
             runs.setdefault(key, attempt.text)
         scores = await asyncio.gather(*(
             loop.run_in_executor(self.scoring, self.environment.score, task, text) for text in runs.values()))
-        by_key = dict(zip(runs, scores))
+        by_key = dict(zip(runs, scores, strict=True))
         return [by_key[key] for key in keys]
 
     def records(self, task: Task, replica: Replica, attempts: list[Attempt],
@@ -149,7 +150,7 @@ class RolloutWorker:
         """(topic, key, event) for each attempt's trajectory and its score."""
         group_id, tenant = new_id("grp"), self.config.tenant
         out: list[tuple[str, str, Trajectory | FeedbackEvent]] = []
-        for attempt, score in zip(attempts, scores):
+        for attempt, score in zip(attempts, scores, strict=True):
             completion_id = new_id("roll")
             out.append((Topics.TRAJECTORIES, completion_id, Trajectory(
                 event_id=completion_id, tenant=tenant, completion_id=completion_id, group_id=group_id,

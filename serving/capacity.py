@@ -47,8 +47,8 @@ from fastapi import Depends, FastAPI, Query
 from prometheus_client import Counter, Gauge
 
 from liverl.audit import Reason
-from liverl.http import Audit, service_app
 from liverl.contracts import CapacityEvent, Topics
+from liverl.http import Audit, service_app
 from liverl.kafka import encode, produce_sync
 from liverl.keys import KeyRecord, require_admin
 from liverl.lending import hold_lending, lending_state, read_pause, record_event

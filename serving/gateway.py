@@ -15,8 +15,9 @@ import random
 import time
 from collections import Counter as Tally
 from collections import deque
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator
+from typing import Any
 
 import httpx
 from fastapi import Depends, FastAPI, Request
@@ -243,7 +244,7 @@ class Refused(Exception):
         self.response, self.recorded = response, recorded
 
 
-def refused(status: int, message: str, kind: str = "invalid_request_error", headers: dict | None = None) -> Refused:
+def refusal(status: int, message: str, kind: str = "invalid_request_error", headers: dict | None = None) -> Refused:
     return Refused(refuse(status, message, kind, headers), message[:500])
 
 
@@ -253,7 +254,7 @@ def checked_header(request: Request, name: str, adapter: TypeAdapter) -> str | N
         try:
             adapter.validate_python(value)
         except ValidationError as error:
-            raise refused(400, f"{name}: {error.errors()[0]['msg']}") from None
+            raise refusal(400, f"{name}: {error.errors()[0]['msg']}") from None
     return value
 
 
@@ -309,28 +310,28 @@ class Gateway:
             body = await self.validate(request, exchange, chat)
             exchange.replica = await self.route(request, body)
             return await self.forward(body, exchange, chat)
-        except Refused as refusal:
-            await self.recorder.request(exchange, refusal.response.status_code, error=refusal.recorded)
-            return refusal.response
+        except Refused as refused:
+            await self.recorder.request(exchange, refused.response.status_code, error=refused.recorded)
+            return refused.response
 
     async def validate(self, request: Request, exchange: Exchange, chat: bool) -> dict[str, Any]:
         """The body, once the caller is within its rate and what will be recorded is valid
         (before anything is forwarded)."""
         tenant = exchange.caller.tenant
         if wait := self.limiter.take(tenant):
-            raise refused(429, f"tenant {tenant!r} is over its rate limit; retry later", kind="rate_limit_error",
+            raise refusal(429, f"tenant {tenant!r} is over its rate limit; retry later", kind="rate_limit_error",
                           headers={"Retry-After": str(max(1, int(wait + 0.999)))})
         try:
             body = read_json(await request.body())
         except MalformedJSON as error:
-            raise refused(400, error.detail) from None
+            raise refusal(400, error.detail) from None
         if not isinstance(body, dict):
-            raise refused(400, "the body must be a JSON object")
+            raise refusal(400, "the body must be a JSON object")
         try:
             exchange.asked = (ChatRequest if chat else CompletionRequest).model_validate(body)
         except ValidationError as error:
             e = error.errors()[0]
-            raise refused(400, f"{'.'.join(map(str, e['loc']))}: {e['msg']}") from None
+            raise refusal(400, f"{'.'.join(map(str, e['loc']))}: {e['msg']}") from None
         # Completions sampled for one prompt (rollout groups) share this header.
         exchange.group_id = checked_header(request, "x-liverl-group-id", GROUP_ID)
         return body
@@ -341,9 +342,9 @@ class Gateway:
         try:
             return await self.router.pick(str(session) if session is not None else None, alias)
         except NoReplica as error:
-            raise refused(503, str(error), kind="service_unavailable") from None
+            raise refusal(503, str(error), kind="service_unavailable") from None
         except Unroutable as error:
-            raise refused(error.status, str(error)) from None
+            raise refusal(error.status, str(error)) from None
 
     async def forward(self, body: dict[str, Any], exchange: Exchange, chat: bool) -> Response:
         replica = exchange.replica
@@ -374,10 +375,11 @@ class Gateway:
         if exchange.stream:
             return StreamingResponse(self.relay(upstream, in_flight, body, exchange, gathered, chat),
                                      media_type="text/event-stream", headers=headers)
-        return await self.whole(upstream, in_flight, body, exchange, gathered, chat, headers)
+        return await self.answer_whole(upstream, in_flight, body, exchange, gathered, chat, headers)
 
-    async def whole(self, upstream: httpx.Response, in_flight: InFlight, body: dict[str, Any], exchange: Exchange,
-                    gathered: Accumulator, chat: bool, headers: dict[str, str]) -> JSONResponse:
+    async def answer_whole(self, upstream: httpx.Response, in_flight: InFlight, body: dict[str, Any],
+                           exchange: Exchange, gathered: Accumulator, chat: bool,
+                           headers: dict[str, str]) -> JSONResponse:
         try:
             payload = json.loads(await upstream.aread())
             gathered.add(payload, chat)

@@ -13,6 +13,7 @@ from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from aiokafka import AIOKafkaProducer
 from prometheus_client import Counter, Histogram
 from pydantic import ValidationError
 
@@ -116,7 +117,7 @@ class Recorder:
 
     def __init__(self, settings: Settings):
         self.settings = settings
-        self.producer = None  # while the app runs
+        self.producer: AIOKafkaProducer | None = None  # while the app runs
         self.under_way: set[asyncio.Task] = set()
 
     async def start(self) -> None:
