@@ -119,7 +119,7 @@ class Send(NamedTuple):
     """An accepted item on its way to the broker: its place among the results, the
     message, the id it is remembered by once acknowledged, and its type (for metrics)."""
 
-    index: int
+    position: int
     message: tuple[str, bytes, bytes]
     seen_id: str
     item_type: str
@@ -129,12 +129,13 @@ class Ingestion:
     """Batches onto Kafka: each item checked on its own, and acknowledged only once the
     broker acknowledged it (acks=all)."""
 
+    producer: BatchProducer  # made as the app starts
+
     def __init__(self, settings: Settings):
         self.limits = settings.ingest
         self.limiter = TenantRateLimiter(self.limits.tenant_events_per_s, self.limits.tenant_events_burst)
         self.architecture = ServingArchitecture(settings)
         self.recent = RecentIds()
-        self.producer: BatchProducer | None = None  # while the app runs
 
     async def batch(self, raw: bytes, caller: KeyRecord, received_at: datetime) -> IngestResponse:
         if len(raw) > self.limits.max_body_bytes:
@@ -191,7 +192,7 @@ class Ingestion:
         failures = await self.producer.send_many([send.message for send in sends])
         for send, failure in zip(sends, failures, strict=True):
             if failure is not None:
-                results[send.index] = ItemResult(id=results[send.index].id, status=503,
+                results[send.position] = ItemResult(id=results[send.position].id, status=503,
                                                  error=f"broker did not acknowledge: {failure}")
                 outcomes[send.item_type, "unacknowledged"] += 1
             else:

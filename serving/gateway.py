@@ -17,6 +17,7 @@ from collections import Counter as Tally
 from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -273,6 +274,21 @@ class InFlight:
             self.counts[self.name] -= 1
 
 
+@dataclass
+class Upstream:
+    """A request a replica answers: its answer as it arrives, its place in the replica's
+    in-flight count, and its choices as gathered for the record."""
+
+    response: httpx.Response
+    replica: Replica
+    in_flight: InFlight
+    gathered: Accumulator
+
+    async def close(self) -> None:
+        await self.response.aclose()
+        self.in_flight.release()
+
+
 class Gateway:
     """A completion request: validate, route, forward (whole or streamed), record."""
 
@@ -308,8 +324,8 @@ class Gateway:
         exchange = Exchange(endpoint, caller)
         try:
             body = await self.validate(request, exchange, chat)
-            exchange.replica = await self.route(request, body)
-            return await self.forward(body, exchange, chat)
+            exchange.replica = replica = await self.route(request, body)
+            return await self.forward(body, exchange, replica, chat)
         except Refused as refused:
             await self.recorder.request(exchange, refused.response.status_code, error=refused.recorded)
             return refused.response
@@ -346,8 +362,7 @@ class Gateway:
         except Unroutable as error:
             raise refusal(error.status, str(error)) from None
 
-    async def forward(self, body: dict[str, Any], exchange: Exchange, chat: bool) -> Response:
-        replica = exchange.replica
+    async def forward(self, body: dict[str, Any], exchange: Exchange, replica: Replica, chat: bool) -> Response:
         gathered = Accumulator(new_id("cmpl"))
         headers = {"x-liverl-policy-version": replica.policy_version,
                    "x-liverl-completion-id": gathered.completion_id, "x-liverl-replica": replica.name}
@@ -356,7 +371,7 @@ class Gateway:
                                        json=upstream_body(body, chat))
         in_flight = InFlight(self.router, replica)
         try:
-            upstream = await http.send(forwarded, stream=True)
+            response = await http.send(forwarded, stream=True)
         except httpx.HTTPError as error:
             in_flight.release()
             raise Refused(refuse(502, f"replica {replica.name} failed: {error!r}", "upstream_error"),
@@ -364,39 +379,38 @@ class Gateway:
         except BaseException:
             in_flight.release()
             raise
-        if upstream.status_code != 200:
+        upstream = Upstream(response, replica, in_flight, gathered)
+        if response.status_code != 200:
             try:
-                content = await upstream.aread()
+                content = await response.aread()
             finally:
-                await upstream.aclose()
-                in_flight.release()
-            raise Refused(upstream_error(upstream.status_code, content, headers),
+                await upstream.close()
+            raise Refused(upstream_error(response.status_code, content, headers),
                           content.decode(errors="replace")[:500])
         if exchange.stream:
-            return StreamingResponse(self.relay(upstream, in_flight, body, exchange, gathered, chat),
+            return StreamingResponse(self.relay(upstream, body, exchange, chat),
                                      media_type="text/event-stream", headers=headers)
-        return await self.answer_whole(upstream, in_flight, body, exchange, gathered, chat, headers)
+        return await self.answer_whole(upstream, body, exchange, chat, headers)
 
-    async def answer_whole(self, upstream: httpx.Response, in_flight: InFlight, body: dict[str, Any],
-                           exchange: Exchange, gathered: Accumulator, chat: bool,
+    async def answer_whole(self, upstream: Upstream, body: dict[str, Any], exchange: Exchange, chat: bool,
                            headers: dict[str, str]) -> JSONResponse:
+        gathered = upstream.gathered
         try:
-            payload = json.loads(await upstream.aread())
+            payload = json.loads(await upstream.response.aread())
             gathered.add(payload, chat)
         except (ValueError, TypeError, AttributeError) as error:
-            raise Refused(refuse(502, f"replica {exchange.replica.name} answered something unreadable",
+            raise Refused(refuse(502, f"replica {upstream.replica.name} answered something unreadable",
                                  "upstream_error"), f"unreadable replica answer: {error!r}"[:500]) from None
         finally:
-            await upstream.aclose()
-            in_flight.release()
+            await upstream.close()
         self.record(exchange, gathered, first_token=None)
         return JSONResponse(for_client(payload, body, gathered.completion_id, chat), headers=headers)
 
-    async def relay(self, upstream: httpx.Response, in_flight: InFlight, body: dict[str, Any], exchange: Exchange,
-                    gathered: Accumulator, chat: bool) -> AsyncIterator[bytes]:
-        first_token = None
+    async def relay(self, upstream: Upstream, body: dict[str, Any], exchange: Exchange,
+                    chat: bool) -> AsyncIterator[bytes]:
+        gathered, first_token = upstream.gathered, None
         try:
-            async for line in upstream.aiter_lines():
+            async for line in upstream.response.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
@@ -407,8 +421,7 @@ class Gateway:
                 yield f"data: {json.dumps(for_client(chunk, body, gathered.completion_id, chat))}\n\n".encode()
             yield b"data: [DONE]\n\n"
         finally:
-            await upstream.aclose()
-            in_flight.release()
+            await upstream.close()
             self.record(exchange, gathered, first_token)
 
     def record(self, exchange: Exchange, gathered: Accumulator, first_token: float | None) -> None:

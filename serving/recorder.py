@@ -115,9 +115,10 @@ class Accumulator:
 class Recorder:
     """The gateway's Kafka producer and the recordings it has under way."""
 
+    producer: AIOKafkaProducer  # made by start(), as the app starts
+
     def __init__(self, settings: Settings):
         self.settings = settings
-        self.producer: AIOKafkaProducer | None = None  # while the app runs
         self.under_way: set[asyncio.Task] = set()
 
     async def start(self) -> None:
@@ -153,20 +154,22 @@ class Recorder:
     async def completion(self, exchange: Exchange, gathered: Accumulator, first_token: float | None) -> None:
         """Each choice as a trajectory, and the request. A choice that cannot be recorded
         is counted and named in the request's row, never silently lost."""
+        asked, replica = exchange.asked, exchange.replica
+        assert asked is not None and replica is not None  # served: it was validated and routed
         latency = exchange.elapsed_ms()
         # Choices sampled together for one prompt form a group unless the client named one.
         group_id = exchange.group_id or (gathered.completion_id if len(gathered.choices) > 1 else None)
-        prompt_text = exchange.asked.prompt_text()
+        prompt_text = asked.prompt_text()
         failed = []
         for choice in gathered.choices.values():
             try:
                 trajectory = Trajectory(
                     event_id=choice.completion_id, tenant=exchange.caller.tenant, completion_id=choice.completion_id,
-                    group_id=group_id, policy_version=exchange.replica.policy_version, replica=exchange.replica.name,
+                    group_id=group_id, policy_version=replica.policy_version, replica=replica.name,
                     prompt_text=prompt_text, completion_text="".join(choice.text),
                     prompt_token_ids=choice.prompt_token_ids or gathered.prompt_token_ids,
                     completion_token_ids=choice.token_ids, completion_logprobs=choice.logprobs,
-                    routed_experts=choice.routed_experts, sampling=exchange.asked.sampling(),
+                    routed_experts=choice.routed_experts, sampling=asked.sampling(),
                     finish_reason=choice.finish_reason, latency_ms=latency,
                     time_to_first_token_ms=None if first_token is None else (first_token - exchange.started) * 1000,
                 )
@@ -175,8 +178,8 @@ class Recorder:
                 failed.append(f"{choice.completion_id}: {error.errors()[0]['msg']}")
                 continue
             await self.send(trajectory, Topics.TRAJECTORIES, choice.completion_id)
-        error = f"not recorded: {'; '.join(failed)}"[:500] if failed else None
-        await self.request(exchange, 200, gathered.completion_id, error, latency)
+        not_recorded = f"not recorded: {'; '.join(failed)}"[:500] if failed else None
+        await self.request(exchange, 200, gathered.completion_id, not_recorded, latency)
 
     async def request(self, exchange: Exchange, status: int, completion_id: str | None = None,
                       error: str | None = None, latency: float | None = None) -> None:
