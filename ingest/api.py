@@ -193,7 +193,7 @@ class Ingestion:
         for send, failure in zip(sends, failures, strict=True):
             if failure is not None:
                 results[send.position] = ItemResult(id=results[send.position].id, status=503,
-                                                 error=f"broker did not acknowledge: {failure}")
+                                                    error=f"broker did not acknowledge: {failure}")
                 outcomes[send.item_type, "unacknowledged"] += 1
             else:
                 self.recent.add(send.seen_id)
