@@ -56,7 +56,7 @@ DRAINED_GROUPS = {
 
 # Every liverl component `up` starts, by the module it runs (compose.yaml runs the same).
 COMPONENTS = {"sink": "feedback.sink", "feedback": "feedback.stream", "api": "ingest.api",
-              "gateway": "serving.gateway", "learner": "learner.service", "controller": "promotion.controller",
+              "gateway": "serving.gateway", "learner": "learner.service", "controller": "promotion.api",
               "capacity": "serving.capacity", "rollouts": "rollouts.worker", "evaluator": "rollouts.evaluator"}
 
 

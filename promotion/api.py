@@ -1,5 +1,6 @@
-"""The promotion controller's HTTP API: health, on-call's API (an admin key, or the
-dashboard's session) and the dashboard. The `liverl policy` commands over HTTP, each
+"""The promotion controller's process (`python -m promotion.api`): its decision loop
+(`promotion/controller.py`) beside this HTTP API: health, on-call's API (an admin key, or
+the dashboard's session) and the dashboard. The `liverl policy` commands over HTTP, each
 taking the controller's lock so it never interleaves with the controller's own moves."""
 
 from __future__ import annotations
@@ -253,3 +254,9 @@ def create_app(controller: Controller) -> FastAPI:
 def serve_controller(settings: Settings) -> None:
     controller = Controller(settings)
     serve_beside(create_app(controller), settings.host, settings.ports.controller, controller.run)
+
+
+if __name__ == "__main__":  # the controller's process: its decision loop beside this API
+    from liverl.settings import get_settings
+
+    serve_controller(get_settings())

@@ -41,7 +41,7 @@ from liverl.keys import admin_headers
 from liverl.load import read_gateway_load
 from liverl.observability import log, setup_logging
 from liverl.pool import promotion_lock, read_pool
-from liverl.settings import Settings, get_settings
+from liverl.settings import Settings
 from policies.registry import HELDOUT_REGRESSION, Pin, PolicyVersion, Registry
 from promotion.promoter import Promoter
 from promotion.sequential import Arm, Comparison, compare, confidence_sequence, paired_loss_p, verdict_in_sight
@@ -571,9 +571,3 @@ class Controller:
                 self.last_error = f"{type(error).__name__}: {error}"[:500]
                 log(logger, "controller step failed", error=self.last_error)
             stop.wait(self.config.poll_s)
-
-
-if __name__ == "__main__":
-    from promotion.api import serve_controller  # the API imports this module: the loop is defined there once
-
-    serve_controller(get_settings())
