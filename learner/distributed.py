@@ -19,29 +19,22 @@ import json
 import os
 import signal
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 import typer
 from safetensors.torch import save_file
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor, distribute_tensor
+
+from learner.sharding import rank_and_world
+from learner.trainer import Trainer
+from liverl.contracts import RewardedSample
+from liverl.settings import get_settings
 
 MASTER_FILE = "master.safetensors"
 STOP = "stop"
 _commands: dist.ProcessGroup | None = None  # where rank 0 broadcasts the calls to make
-
-
-def rank_and_world() -> tuple[int, int]:
-    """(rank, world size) under torchrun, else (0, 1)."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 def run_on_ranks(ranks: int, module: str) -> None:
@@ -83,8 +76,6 @@ class Lockstep:
     so every rank makes it on its own shards; attributes are read here."""
 
     def __init__(self, *args, **kwargs):
-        from learner.trainer import Trainer
-
         announce("load", *args, **kwargs)
         self.trainer = Trainer(*args, **kwargs)
 
@@ -103,15 +94,11 @@ class Lockstep:
 def trainer(*args, **kwargs):
     """A Trainer on every rank (as `Trainer(*args, **kwargs)`): the trainer itself when
     alone, else its `Lockstep` on rank 0."""
-    from learner.trainer import Trainer
-
     return Lockstep(*args, **kwargs) if rank_and_world()[1] > 1 else Trainer(*args, **kwargs)
 
 
 def follow() -> None:
     """Every rank but 0: make the calls rank 0 announces until it says stop."""
-    from learner.trainer import Trainer
-
     # The stack stops a component by signalling its whole process group: this rank leaves
     # when rank 0 has finished what it was doing and says so (torchrun kills it otherwise).
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -129,39 +116,6 @@ def follow() -> None:
             getattr(local, name)(*args, **kwargs)
 
 
-# --- FSDP2 helpers the trainer uses --------------------------------------------------------
-def fsdp_modules(model: torch.nn.Module) -> list[FSDPModule]:
-    return [m for m in model.modules() if isinstance(m, FSDPModule)]
-
-
-def resharded(model: torch.nn.Module) -> None:
-    """Every FSDP module back to its shards: the root keeps its gathered weights after a
-    forward without gradients, and a copy into those would not reach the shards."""
-    for module in fsdp_modules(model):
-        module.reshard()
-
-
-@contextmanager
-def gathered(model: torch.nn.Module) -> Iterator[None]:
-    """Every rank holds the whole weights of every FSDP module inside the block (a
-    collective: every rank enters it)."""
-    modules = fsdp_modules(model)
-    for module in modules:
-        module.unshard()
-    try:
-        yield
-    finally:
-        for module in modules:
-            module.reshard()
-
-
-def like(parameter: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
-    """`whole` split over the ranks as `parameter` is (itself when nothing is split)."""
-    if isinstance(parameter, DTensor):
-        return distribute_tensor(whole, parameter.device_mesh, parameter.placements)
-    return whole
-
-
 # --- one step from a file (torchrun) -------------------------------------------------------
 def main(
     model_dir: Path = typer.Argument(..., exists=True, file_okay=False, help="The version to train from."),
@@ -169,10 +123,6 @@ def main(
     out_dir: Path = typer.Argument(..., help="Where rank 0 writes the candidate."),
     seed: int = typer.Option(0, help="Seed of the minibatch order."),
 ) -> None:
-    from learner.trainer import Trainer
-    from liverl.contracts import RewardedSample
-    from liverl.settings import get_settings
-
     start()
     try:
         batch = [RewardedSample.model_validate_json(line)

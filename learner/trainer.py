@@ -27,7 +27,6 @@ from torch.distributed.fsdp import fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from learner import router_replay
-from learner.distributed import gathered, like, rank_and_world, resharded
 from learner.logprobs import causal_lm, chunked_token_logprobs
 from learner.modes import (
     adapted_weights,
@@ -50,6 +49,7 @@ from learner.rl import (
     version_minibatches,
 )
 from learner.segments import segments, turns_problem, written_tokens
+from learner.sharding import gathered, like, rank_and_world, resharded
 from liverl.contracts import Architecture, RewardedSample, misfit
 from liverl.probe import PROBE_FILE, probe_logprobs
 from liverl.settings import LearnerConfig, LoraConfig
