@@ -362,6 +362,7 @@ class Learner:
             self.trainer.use_reference(Path(self.stable().model_dir))
         started = time.time()
         metrics = self.trainer.train(train or batch, seed=self.current.seq)
+        crash_point("learner.after_train")
         metrics["train_seconds"] = time.time() - started
         metrics["tokens_per_second"] = metrics["tokens"] * self.config.epochs / max(metrics["train_seconds"], 1e-9)
         for sample in batch:  # each poison pill is dead-lettered once, counted in this version
@@ -390,6 +391,7 @@ class Learner:
         # version's Adam state, and a rewind to it starts Adam afresh.
         unnamed_state = self.state_dir / "unpublished.pt"
         self.trainer.save_state(unnamed_state)
+        crash_point("learner.after_save_state")
         version = self.registry.publish(
             staged, parent=self.current.version, window=self.window(batch), metrics=metrics,
             sample_ids=[s.sample_id for s in batch], actor="learner",
@@ -404,6 +406,7 @@ class Learner:
         # After the registry has it: a crash here re-reads the offsets from the registry.
         crash_point("learner.after_publish")
         self.commit(consumer)
+        crash_point("learner.after_commit")
         log(logger, "version written", version=version.version, samples=len(batch),
             reward=metrics["mean_reward"], seconds=round(metrics["train_seconds"], 2))
         self.current = version

@@ -24,6 +24,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
+from liverl.faults import crash_point
 from liverl.pool import ROLLOUT
 
 State = Literal["candidate", "canary", "stable", "rolled_back", "rejected", "superseded", "aborted"]
@@ -74,6 +75,9 @@ CREATE TABLE IF NOT EXISTS aliases (
     id INTEGER PRIMARY KEY AUTOINCREMENT, alias TEXT, version TEXT, at REAL, actor TEXT, reason TEXT
 );
 CREATE TABLE IF NOT EXISTS trained_samples (sample_id TEXT PRIMARY KEY, version TEXT);
+-- Every sample each version was written from, repeats kept: where exactly-once is checked.
+CREATE TABLE IF NOT EXISTS version_samples (version TEXT, sample_id TEXT);
+CREATE INDEX IF NOT EXISTS version_samples_by_sample ON version_samples (sample_id);
 CREATE TABLE IF NOT EXISTS offsets (
     cluster_id TEXT, topic TEXT, partition INTEGER, next_offset INTEGER,
     PRIMARY KEY (cluster_id, topic, partition)
@@ -261,6 +265,17 @@ class Registry:
                 chunk))
         return found
 
+    def times_learned(self, sample_ids: list[str]) -> dict[str, int]:
+        """How many versions were written from each of `sample_ids` (absent: none): more
+        than one is a sample learned twice."""
+        counts: dict[str, int] = {}
+        for i in range(0, len(sample_ids), 500):
+            chunk = sample_ids[i:i + 500]
+            counts.update(self.db.execute(
+                f"SELECT sample_id, count(*) FROM version_samples WHERE sample_id IN ({','.join('?' * len(chunk))}) "
+                "GROUP BY sample_id", chunk).fetchall())
+        return counts
+
     def seq_of(self, version: str) -> int | None:
         row = self.db.execute("SELECT seq FROM versions WHERE version = ?", (version,)).fetchone()
         return row[0] if row else None
@@ -279,12 +294,14 @@ class Registry:
         chash = content_hash(staged_dir)
         os.replace(staged_dir, final)
         _make_read_only(final)
+        crash_point("registry.publish.after_rename")  # a directory, not yet a version
         with self.transaction() as db:
             db.execute("INSERT INTO versions VALUES (?,?,?,?,?,?,?,?,?)",
                        (version, seq, parent, time.time(), state, str(final), chash,
                         window.model_dump_json() if window else None, json.dumps(metrics)))
             db.executemany("INSERT OR IGNORE INTO trained_samples VALUES (?, ?)",
                            [(s, version) for s in sample_ids])
+            db.executemany("INSERT INTO version_samples VALUES (?, ?)", [(version, s) for s in sample_ids])
             if window:
                 self._write_offsets(db, window.cluster_id, window.offsets)
             db.execute("INSERT INTO events (version, at, from_state, to_state, actor, reason) "

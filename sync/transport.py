@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from liverl.faults import crash_point
 from liverl.settings import Settings
 from policies.registry import Registry
 from sync.delta import LATEST_FORMAT, encode_delta
@@ -105,6 +106,7 @@ def ship(settings: Settings, registry: Registry) -> list[VersionRecord]:
         store = sync_store(settings)
         published = publish_new(store, registry, settings.sync.snapshot_every,
                                 settings.data_dir / "cache" / "publish", settings.sync.delta_format)
+        crash_point("sync.ship.before_retention")
         collect_garbage(settings, store, registry)
     except Exception:
         log.exception("could not ship the new version to the delta store; replicas will load it in full")

@@ -5,12 +5,13 @@ demo in small: simulated users whose hidden preference the served policy learns.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import uuid
 
 import httpx
 import torch
-from helpers import item, learner_health, restart_component, serving_load, wait_for
+from helpers import item, learner_consuming, learner_health, restart_component, serving_load, wait_for
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
@@ -43,32 +44,42 @@ def restart_learner(settings, fault: str | None = None, env: dict[str, str] | No
     return restart_component(settings, "learner", dict({"LIVERL_FAULT": fault} if fault else {}, **(env or {})))
 
 
-def test_learner_killed_after_publish_loses_and_duplicates_nothing(settings, api):
+# Two durable steps where a kill matters for exactly-once: a version directory not yet
+# registered, a version whose Kafka offsets were not committed. (The others, every
+# `crash_point` in learner/, policies/registry.py and sync/transport.py, are each a restart
+# of about a minute here: kept out of the suite's time.)
+KILLED_AT = ("registry.publish.after_rename", "learner.after_publish")
+
+
+def exited(pid: int) -> bool:
+    """The child `pid` (started by this process) has exited: reaped here, not a zombie."""
+    return os.waitpid(pid, os.WNOHANG)[0] == pid
+
+
+def test_a_learner_killed_at_each_durable_step_learns_every_sample_exactly_once(settings, api):
     registry = Registry(settings.policies_dir)
     before = registry.latest().seq
-    restart_learner(settings, fault="learner.after_publish")
-    wait_for(lambda: learner_health(settings), timeout=60)
-    current = learner_health(settings)["version"]
-    sent = synthetic_batch(settings.learner.batch_samples, current)
-    assert api.post("/v1/ingestion", json={"batch": sent}).json()["rejected"] == 0
-    # The learner writes the version, then dies before committing its Kafka offsets.
-    wait_for(lambda: registry.latest().seq > before, timeout=120)
-    crashed = registry.latest()
+    sent: list[dict] = []
+    wait_for(lambda: learner_consuming(settings), timeout=120)
+    for fault in KILLED_AT:
+        pid = restart_learner(settings, fault=fault)
+        # What the last one left unlearned is learned first: it may die at `fault` on that.
+        health = wait_for(lambda pid=pid: exited(pid) or learner_consuming(settings), timeout=120)
+        if health is not True:
+            batch = synthetic_batch(settings.learner.batch_samples, health["version"])
+            assert api.post("/v1/ingestion", json={"batch": batch}).json()["rejected"] == 0
+            sent += batch
+            wait_for(lambda pid=pid: exited(pid), timeout=120)  # it learned, then died at `fault`
     restart_learner(settings)
-    wait_for(lambda: learner_health(settings), timeout=60)
-    # Resumed from the registry: the same samples are not learned again, and new ones are.
-    more = synthetic_batch(settings.learner.batch_samples, crashed.version)
-    api.post("/v1/ingestion", json={"batch": more})
-    ids = {f"dev:{b['body']['completion_id']}" for b in sent + more if b["type"] == "trajectory"}
+    wait_for(lambda: learner_consuming(settings), timeout=120)
+    ids = sorted({f"dev:{b['body']['completion_id']}" for b in sent if b["type"] == "trajectory"})
 
-    def all_trained() -> bool:
+    def all_learned() -> bool:
         httpx.post(settings.url(settings.ports.learner) + "/flush", headers=admin_headers(settings), timeout=10)
-        return registry.trained(sorted(ids)) == ids
-    wait_for(all_trained, timeout=120, interval=2)
-    rows = registry.db.execute(
-        f"SELECT sample_id, count(*) FROM trained_samples WHERE sample_id IN "
-        f"({','.join('?' * len(ids))}) GROUP BY sample_id HAVING count(*) > 1", sorted(ids)).fetchall()
-    assert rows == []
+        return registry.trained(ids) == set(ids)
+    wait_for(all_learned, timeout=120, interval=2)
+    # Each sample in exactly one version's record (a record that would keep a repeat).
+    assert registry.times_learned(ids) == dict.fromkeys(ids, 1)
     windows = [v.window for v in registry.versions() if v.seq > before and v.window]
     assert sum(w.samples for w in windows) >= len(ids)
     # Training resumes from the newest version's optimizer state; a version's state is
