@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 import sys
-from datetime import datetime, timezone
-from enum import Enum
+from datetime import UTC, datetime
+from enum import StrEnum
 from pathlib import Path
-from typing import Optional
+from typing import NoReturn, cast
 
 import httpx
 import typer
@@ -26,7 +26,7 @@ app.add_typer(delta_app, name="delta")
 app.add_typer(sync_app, name="sync")
 
 
-def settings_from(data_dir: Optional[Path]) -> Settings:
+def settings_from(data_dir: Path | None) -> Settings:
     from liverl.manifest import running_settings
 
     return running_settings(data_dir)
@@ -35,13 +35,13 @@ def settings_from(data_dir: Optional[Path]) -> Settings:
 DataDir = typer.Option(None, "--data-dir", envvar="LIVERL_DATA_DIR", help="State directory.")
 
 
-def fail(message: str) -> None:
+def fail(message: str) -> NoReturn:
     console.print(f"[red]error:[/red] {message}")
     raise typer.Exit(1)
 
 
 @app.command()
-def up(data_dir: Optional[Path] = DataDir, replicas: Optional[int] = typer.Option(
+def up(data_dir: Path | None = DataDir, replicas: int | None = typer.Option(
         None, help="vLLM replicas to start.")) -> None:
     """Start the embedded stack and return when every component is healthy."""
     from app.stack import StackError
@@ -59,7 +59,7 @@ def up(data_dir: Optional[Path] = DataDir, replicas: Optional[int] = typer.Optio
 
 
 @app.command()
-def down(data_dir: Optional[Path] = DataDir,
+def down(data_dir: Path | None = DataDir,
          force: bool = typer.Option(False, help="Stop without draining (may lose in-flight events).")) -> None:
     """Drain (every acknowledged event stored, every sample consumed), then stop."""
     from app.stack import StackError
@@ -72,7 +72,7 @@ def down(data_dir: Optional[Path] = DataDir,
 
 
 @app.command()
-def status(data_dir: Optional[Path] = DataDir, as_json: bool = typer.Option(False, "--json")) -> None:
+def status(data_dir: Path | None = DataDir, as_json: bool = typer.Option(False, "--json")) -> None:
     """Each component: pid, URL, healthy, policy version served."""
     from app.stack import status as stack_status
 
@@ -102,15 +102,16 @@ def status(data_dir: Optional[Path] = DataDir, as_json: bool = typer.Option(Fals
 def keys_create(tenant: str, admin: bool = typer.Option(False, help="An admin key."),
                 scope: list[str] = typer.Option(["feedback"], help="What the key may send: feedback, "
                                                 "trajectories (trains the shared policy; repeat the option)."),
-                label: str = "", data_dir: Optional[Path] = DataDir) -> None:
+                label: str = "", data_dir: Path | None = DataDir) -> None:
     """Create a key; it is printed once and stored only as a hash."""
     from pydantic import ValidationError
 
-    from liverl.keys import KeyStore
+    from liverl.keys import KeyStore, Scope
 
     settings = settings_from(data_dir)
-    try:
-        key, record = KeyStore(settings.keys_file).create(tenant, "admin" if admin else "tenant", label, scope)
+    try:  # each scope is checked by the key record's validation
+        key, record = KeyStore(settings.keys_file).create(tenant, "admin" if admin else "tenant", label,
+                                                          cast("list[Scope]", scope))
     except ValidationError as error:
         fail(f"{error.errors()[0]['loc'][0]} {error.errors()[0]['input']!r}: {error.errors()[0]['msg']}")
     operator_audit(settings, "keys.create", tenant, key_id=record.key_id, role=record.role, scopes=record.scopes)
@@ -127,7 +128,7 @@ def operator_audit(settings: Settings, action: str, target: str, **details) -> N
 
 
 @keys_app.command("list")
-def keys_list(data_dir: Optional[Path] = DataDir) -> None:
+def keys_list(data_dir: Path | None = DataDir) -> None:
     from liverl.keys import KeyStore
 
     rows = [r.model_dump(mode="json") for r in KeyStore(settings_from(data_dir).keys_file).list()]
@@ -135,7 +136,7 @@ def keys_list(data_dir: Optional[Path] = DataDir) -> None:
 
 
 @keys_app.command("revoke")
-def keys_revoke(key_id: str, data_dir: Optional[Path] = DataDir) -> None:
+def keys_revoke(key_id: str, data_dir: Path | None = DataDir) -> None:
     from liverl.keys import KeyStore
 
     settings = settings_from(data_dir)
@@ -164,13 +165,13 @@ def run_sql(settings: Settings, sql: str, fmt: str) -> str:
 
 @app.command()
 def sql(query: str, fmt: str = typer.Option("table", "--format", help="json, table or csv."),
-        data_dir: Optional[Path] = DataDir) -> None:
+        data_dir: Path | None = DataDir) -> None:
     """Run one read-only SQL statement against the analytics tables."""
     print(run_sql(settings_from(data_dir), query, fmt), end="")
 
 
 @app.command()
-def metrics(data_dir: Optional[Path] = DataDir) -> None:
+def metrics(data_dir: Path | None = DataDir) -> None:
     """Reward, accept rate and count per policy version per hour."""
     from feedback.warehouse import ROLLUP_SQL
 
@@ -190,7 +191,7 @@ def read_dead_letters(settings: Settings) -> list:
 
 
 @dlq_app.command("list")
-def dlq_list(data_dir: Optional[Path] = DataDir) -> None:
+def dlq_list(data_dir: Path | None = DataDir) -> None:
     rows = [dict(id=d.event_id, topic=d.source_topic, tenant=d.tenant, reason=d.reason,
                  at=d.timestamp.isoformat(timespec="seconds"))
             for d in read_dead_letters(settings_from(data_dir))]
@@ -198,7 +199,7 @@ def dlq_list(data_dir: Optional[Path] = DataDir) -> None:
 
 
 @dlq_app.command("show")
-def dlq_show(event_id: str, data_dir: Optional[Path] = DataDir) -> None:
+def dlq_show(event_id: str, data_dir: Path | None = DataDir) -> None:
     for d in read_dead_letters(settings_from(data_dir)):
         if d.event_id == event_id:
             console.print_json(d.model_dump_json())
@@ -207,9 +208,9 @@ def dlq_show(event_id: str, data_dir: Optional[Path] = DataDir) -> None:
 
 
 @dlq_app.command("replay")
-def dlq_replay(event_id: str, payload_file: Optional[Path] = typer.Option(
+def dlq_replay(event_id: str, payload_file: Path | None = typer.Option(
         None, "--payload", help="A fixed payload to send instead of the original."),
-        data_dir: Optional[Path] = DataDir) -> None:
+        data_dir: Path | None = DataDir) -> None:
     """Send a dead letter's payload (or its fixed version) back to its source topic."""
     from liverl.kafka import produce_sync
 
@@ -265,7 +266,7 @@ def change(settings: Settings, action: str, path: str, body: dict, act_here,
 
 
 @policy_app.command("import")
-def policy_import(model_dir: Path, reason: str = ChangeReason, data_dir: Optional[Path] = DataDir,
+def policy_import(model_dir: Path, reason: str = ChangeReason, data_dir: Path | None = DataDir,
                   as_json: bool = Json) -> None:
     """A Hugging Face model directory in as a policy version: the first one becomes stable
     (what replicas start from and `liverl replica add` checks them against); later ones
@@ -288,7 +289,7 @@ def policy_real_shape(
     layers: int = typer.Option(1, min=1, help="Decoder layers (Qwen3-30B-A3B has 48)."),
     experts: int = typer.Option(128, min=1, help="Experts per layer (Qwen3-30B-A3B has 128; top-8 of them)."),
     seed: int = typer.Option(0, help="Seed of the random weights."),
-    data_dir: Optional[Path] = DataDir,
+    data_dir: Path | None = DataDir,
 ) -> None:
     """A random-initialised Qwen3-MoE of Qwen3-30B-A3B's per-layer shape and real vocabulary
     (151,936) with the starter's tokenizer: a model of real size to measure liverl against
@@ -302,7 +303,8 @@ def policy_real_shape(
     params = parameter_count(real_shape_config(layers, experts))
     with console.status(f"building {params / 1e9:.2f}B parameters ({params * 2 / 1e9:.1f} GB in bf16)"):
         build_real_shape(out_dir, Path(tokenizer_dir), layers=layers, experts=experts, seed=seed)
-    console.print(f"{out_dir}: Qwen3-30B-A3B shape, {layers} layer(s) of {experts} experts, {params / 1e9:.2f}B parameters")
+    console.print(f"{out_dir}: Qwen3-30B-A3B shape, {layers} layer(s) of {experts} experts, "
+                  f"{params / 1e9:.2f}B parameters")
 
 
 @policy_app.command("build-starter")
@@ -326,7 +328,7 @@ def policy_build_starter(
 
 
 @policy_app.command("list")
-def policy_list(data_dir: Optional[Path] = DataDir, as_json: bool = Json) -> None:
+def policy_list(data_dir: Path | None = DataDir, as_json: bool = Json) -> None:
     from policies.registry import Registry
 
     rows = [dict(version=v.version, parent=v.parent, state=v.state,
@@ -338,7 +340,7 @@ def policy_list(data_dir: Optional[Path] = DataDir, as_json: bool = Json) -> Non
 
 
 @policy_app.command("show")
-def policy_show(version: str, data_dir: Optional[Path] = DataDir, as_json: bool = Json) -> None:
+def policy_show(version: str, data_dir: Path | None = DataDir, as_json: bool = Json) -> None:
     """A version's record (parent, sample window, gate and canary figures) and its history."""
     from policies.registry import Registry
 
@@ -354,7 +356,7 @@ def policy_show(version: str, data_dir: Optional[Path] = DataDir, as_json: bool 
     print_rows(registry.history(version), f"history of {version}")
 
 
-def version_change(data_dir: Optional[Path], action: str, path: str, body: dict, act, as_json: bool) -> None:
+def version_change(data_dir: Path | None, action: str, path: str, body: dict, act, as_json: bool) -> None:
     """A change to which version serves, made by the promoter (`act(promoter)`) through
     the controller or, with it down, here; prints the version's new state."""
     from policies.registry import Registry
@@ -366,7 +368,7 @@ def version_change(data_dir: Optional[Path], action: str, path: str, body: dict,
 
 
 @policy_app.command("promote")
-def policy_promote(version: str, reason: str = ChangeReason, data_dir: Optional[Path] = DataDir,
+def policy_promote(version: str, reason: str = ChangeReason, data_dir: Path | None = DataDir,
                    as_json: bool = Json) -> None:
     """Roll a version out: one canary replica verified, then every replica."""
     version_change(data_dir, "policy.promote", f"/admin/policies/{version}/promote", {"reason": reason},
@@ -374,7 +376,7 @@ def policy_promote(version: str, reason: str = ChangeReason, data_dir: Optional[
 
 
 @policy_app.command("abort")
-def policy_abort(version: str, reason: str = ChangeReason, data_dir: Optional[Path] = DataDir,
+def policy_abort(version: str, reason: str = ChangeReason, data_dir: Path | None = DataDir,
                  as_json: bool = Json) -> None:
     """Take a canary off users: stable back on its replica, verified; the learner rewinds to stable."""
     version_change(data_dir, "policy.abort", f"/admin/policies/{version}/abort", {"reason": reason},
@@ -382,8 +384,8 @@ def policy_abort(version: str, reason: str = ChangeReason, data_dir: Optional[Pa
 
 
 @policy_app.command("rollback")
-def policy_rollback(reason: str = ChangeReason, data_dir: Optional[Path] = DataDir,
-                    to: Optional[str] = typer.Option(None, help="The version to put back (default: the "
+def policy_rollback(reason: str = ChangeReason, data_dir: Path | None = DataDir,
+                    to: str | None = typer.Option(None, help="The version to put back (default: the "
                                                      "previous stable one)."), as_json: bool = Json) -> None:
     """Take the stable version out of serving: the previous stable one (or --to) returns
     everywhere, verified before this returns, and the learner continues from it."""
@@ -391,11 +393,12 @@ def policy_rollback(reason: str = ChangeReason, data_dir: Optional[Path] = DataD
                    lambda promoter: promoter.rollback("cli", reason, to=to), as_json)
 
 
-def pin_command(pinned: bool, reason: str, data_dir: Optional[Path], as_json: bool) -> None:
+def pin_command(pinned: bool, reason: str, data_dir: Path | None, as_json: bool) -> None:
     from policies.registry import Registry
 
     settings = settings_from(data_dir)
-    result = change(settings, "policy.pin" if pinned else "policy.unpin", "/admin/pin" if pinned else "/admin/unpin", {"reason": reason},
+    result = change(settings, "policy.pin" if pinned else "policy.unpin", "/admin/pin" if pinned else "/admin/unpin",
+                    {"reason": reason},
                     lambda: Registry(settings.policies_dir).pin("stable", "cli", reason, pinned=pinned))
     if as_json:
         console.print_json(json.dumps(result))
@@ -404,24 +407,25 @@ def pin_command(pinned: bool, reason: str, data_dir: Optional[Path], as_json: bo
 
 
 @policy_app.command("pin")
-def policy_pin(reason: str = ChangeReason, data_dir: Optional[Path] = DataDir, as_json: bool = Json) -> None:
+def policy_pin(reason: str = ChangeReason, data_dir: Path | None = DataDir, as_json: bool = Json) -> None:
     """Hold stable where it is: no automatic promotion until unpinned (the guard still
     aborts a clearly worse canary)."""
     pin_command(True, reason, data_dir, as_json)
 
 
 @policy_app.command("unpin")
-def policy_unpin(reason: str = ChangeReason, data_dir: Optional[Path] = DataDir, as_json: bool = Json) -> None:
+def policy_unpin(reason: str = ChangeReason, data_dir: Path | None = DataDir, as_json: bool = Json) -> None:
     pin_command(False, reason, data_dir, as_json)
 
 
-def alias_command(alias: str, version: Optional[str], reason: str, data_dir: Optional[Path], as_json: bool) -> None:
+def alias_command(alias: str, version: str | None, reason: str, data_dir: Path | None, as_json: bool) -> None:
     from policies.registry import Registry
     from promotion.promoter import Promoter
 
     settings = settings_from(data_dir)
     result = change(settings, "policy.alias", f"/admin/aliases/{alias}", {"reason": reason, "version": version},
-                    lambda: Promoter(settings, Registry(settings.policies_dir)).move_alias(alias, version, "cli", reason))
+                    lambda: Promoter(settings, Registry(settings.policies_dir)).move_alias(
+                        alias, version, "cli", reason))
     if as_json:
         console.print_json(json.dumps(result))
     else:
@@ -429,7 +433,7 @@ def alias_command(alias: str, version: Optional[str], reason: str, data_dir: Opt
 
 
 @policy_app.command("alias")
-def policy_alias(alias: str, version: str, reason: str = ChangeReason, data_dir: Optional[Path] = DataDir,
+def policy_alias(alias: str, version: str, reason: str = ChangeReason, data_dir: Path | None = DataDir,
                  as_json: bool = Json) -> None:
     """Name a version for your team (champion, challenger...): requests with
     `x-liverl-alias: NAME` go to the replicas serving it. stable and canary move only by
@@ -438,14 +442,14 @@ def policy_alias(alias: str, version: str, reason: str = ChangeReason, data_dir:
 
 
 @policy_app.command("unalias")
-def policy_unalias(alias: str, reason: str = ChangeReason, data_dir: Optional[Path] = DataDir,
+def policy_unalias(alias: str, reason: str = ChangeReason, data_dir: Path | None = DataDir,
                    as_json: bool = Json) -> None:
     """Remove a team's alias."""
     alias_command(alias, None, reason, data_dir, as_json)
 
 
 @policy_app.command("diff")
-def policy_diff(a: str, b: str, data_dir: Optional[Path] = DataDir, as_json: bool = Json,
+def policy_diff(a: str, b: str, data_dir: Path | None = DataDir, as_json: bool = Json,
                 kl_completions: int = typer.Option(64, min=0, help="Logged completions the KL between them "
                                                    "is measured on (0: skip).")) -> None:
     """Two versions side by side: live reward and accept rate per tenant with 95% intervals
@@ -479,15 +483,15 @@ def policy_diff(a: str, b: str, data_dir: Optional[Path] = DataDir, as_json: boo
 
 
 def utc_text(t: float) -> str:
-    return datetime.fromtimestamp(t, timezone.utc).isoformat(timespec="seconds")
+    return datetime.fromtimestamp(t, UTC).isoformat(timespec="seconds")
 
 
 @policy_app.command("history")
-def policy_history(version: Optional[str] = typer.Argument(None, help="One version's (default: all)."),
-                   tenant: Optional[str] = typer.Option(None, help="With --at: which version served this tenant."),
-                   at: Optional[datetime] = typer.Option(None, help="With --tenant: when (UTC)."),
+def policy_history(version: str | None = typer.Argument(None, help="One version's (default: all)."),
+                   tenant: str | None = typer.Option(None, help="With --at: which version served this tenant."),
+                   at: datetime | None = typer.Option(None, help="With --tenant: when (UTC)."),
                    window_s: float = typer.Option(60.0, help="With --at: seconds either side of it."),
-                   data_dir: Optional[Path] = DataDir, as_json: bool = Json) -> None:
+                   data_dir: Path | None = DataDir, as_json: bool = Json) -> None:
     """Every state change and pin, oldest first: who, when, why. With --tenant and --at:
     which versions served that tenant around that time (ClickHouse's request log), and
     what was stable and canary then (the registry)."""
@@ -497,7 +501,7 @@ def policy_history(version: Optional[str] = typer.Argument(None, help="One versi
     settings = settings_from(data_dir)
     if (tenant is None) != (at is None):
         fail("--tenant and --at go together")
-    if tenant is not None:
+    if tenant is not None and at is not None:  # both or neither
         try:
             answer = served_at(settings, tenant, at, window_s)
         except (ReportError, SinkError) as error:
@@ -514,7 +518,7 @@ def policy_history(version: Optional[str] = typer.Argument(None, help="One versi
 
 
 # --- demo ------------------------------------------------------------------------------------
-class DemoLoad(str, Enum):
+class DemoLoad(StrEnum):
     constant = "constant"
     day = "day"
 
@@ -557,17 +561,17 @@ app.add_typer(replica_app, name="replica")
 
 
 @replica_app.command("list")
-def replica_list(data_dir: Optional[Path] = DataDir, as_json: bool = Json) -> None:
+def replica_list(data_dir: Path | None = DataDir, as_json: bool = Json) -> None:
     from liverl.pool import read_pool
 
     show([r.model_dump() for r in read_pool(settings_from(data_dir)).replicas], "replicas", as_json)
 
 
 @replica_app.command("add")
-def replica_add(name: str, url: str, reason: str = ChangeReason, data_dir: Optional[Path] = DataDir,
-                version: Optional[str] = typer.Option(None, help="The version it serves (default: stable, or "
+def replica_add(name: str, url: str, reason: str = ChangeReason, data_dir: Path | None = DataDir,
+                version: str | None = typer.Option(None, help="The version it serves (default: stable, or "
                                                       "the alias's version)."),
-                alias: Optional[str] = typer.Option(None, help="Dedicate it to a team alias: it answers only "
+                alias: str | None = typer.Option(None, help="Dedicate it to a team alias: it answers only "
                                                     "requests naming the alias, and no swap touches it.")) -> None:
     """Route to a vLLM replica started elsewhere (`vllm serve` on the version's weights,
     served model name liverl-policy): taken only once its answers reproduce the version's
@@ -586,10 +590,13 @@ def replica_add(name: str, url: str, reason: str = ChangeReason, data_dir: Optio
         if version not in (None, registry.aliases()[alias]):
             fail(f"alias {alias} names {registry.aliases()[alias]}, not {version}")
         version = registry.aliases()[alias]
-    if version is None and registry.stable() is None:
-        fail("no stable version yet: `liverl policy import` one first")
+    if not version:
+        stable = registry.stable()
+        if stable is None:
+            fail("no stable version yet: `liverl policy import` one first")
+        version = stable.version
     try:
-        record = registry.get(version or registry.stable().version)
+        record = registry.get(version)
     except KeyError as error:
         fail(error.args[0])
     pool = read_pool(settings)
@@ -612,7 +619,7 @@ def replica_add(name: str, url: str, reason: str = ChangeReason, data_dir: Optio
 
 
 @replica_app.command("remove")
-def replica_remove(name: str, reason: str = ChangeReason, data_dir: Optional[Path] = DataDir) -> None:
+def replica_remove(name: str, reason: str = ChangeReason, data_dir: Path | None = DataDir) -> None:
     """Stop routing to a replica (the process itself is not touched)."""
     from liverl.pool import edit_pool
 
@@ -634,7 +641,7 @@ learner_app = typer.Typer(help="The learner: its status; pause or resume learnin
 app.add_typer(learner_app, name="learner")
 
 
-def learner_call(data_dir: Optional[Path], verb: str, reason: str) -> None:
+def learner_call(data_dir: Path | None, verb: str, reason: str) -> None:
     from liverl.keys import admin_headers
 
     settings = settings_from(data_dir)
@@ -653,14 +660,14 @@ Reason = typer.Option(..., "--reason", help="Why (recorded in the audit log).")
 
 
 @learner_app.command("pause")
-def learner_pause(reason: str = Reason, data_dir: Optional[Path] = DataDir) -> None:
+def learner_pause(reason: str = Reason, data_dir: Path | None = DataDir) -> None:
     """Stop consuming and writing versions (serving is untouched); returns once the step in
     flight is done, so no version is written after it."""
     learner_call(data_dir, "pause", reason)
 
 
 @learner_app.command("status")
-def learner_status(data_dir: Optional[Path] = DataDir, as_json: bool = Json) -> None:
+def learner_status(data_dir: Path | None = DataDir, as_json: bool = Json) -> None:
     """The version it trains on top of, samples waiting, paused or not, and what it dropped."""
     settings = settings_from(data_dir)
     try:
@@ -679,7 +686,7 @@ def learner_status(data_dir: Optional[Path] = DataDir, as_json: bool = Json) -> 
 
 
 @learner_app.command("resume")
-def learner_resume(reason: str = Reason, data_dir: Optional[Path] = DataDir) -> None:
+def learner_resume(reason: str = Reason, data_dir: Path | None = DataDir) -> None:
     learner_call(data_dir, "resume", reason)
 
 
@@ -687,7 +694,7 @@ capacity_app = typer.Typer(help="Lending idle replicas to rollouts: its state; p
 app.add_typer(capacity_app, name="capacity")
 
 
-def capacity_call(data_dir: Optional[Path], verb: str, reason: str) -> None:
+def capacity_call(data_dir: Path | None, verb: str, reason: str) -> None:
     """Through the scheduler's admin API; with the scheduler down, on its pause file
     directly (it reads it when it starts)."""
     import getpass
@@ -697,7 +704,7 @@ def capacity_call(data_dir: Optional[Path], verb: str, reason: str) -> None:
     settings = settings_from(data_dir)
 
     def act_here() -> dict:
-        pause = LendingPause(actor=f"cli:{getpass.getuser()}", reason=reason, at=datetime.now(timezone.utc))
+        pause = LendingPause(actor=f"cli:{getpass.getuser()}", reason=reason, at=datetime.now(UTC))
         set_pause(settings, pause if verb == "pause" else None)
         console.print(f"lending {verb}d for when the scheduler runs (a replica lent now stays lent until then)")
         return {"paused": verb == "pause"}
@@ -708,20 +715,20 @@ def capacity_call(data_dir: Optional[Path], verb: str, reason: str) -> None:
 
 
 @capacity_app.command("pause")
-def capacity_pause(reason: str = Reason, data_dir: Optional[Path] = DataDir) -> None:
+def capacity_pause(reason: str = Reason, data_dir: Path | None = DataDir) -> None:
     """Lend nothing and take every lent replica back now, whatever the load, until resumed
     (kept across restarts); returns once none is lent."""
     capacity_call(data_dir, "pause", reason)
 
 
 @capacity_app.command("resume")
-def capacity_resume(reason: str = Reason, data_dir: Optional[Path] = DataDir) -> None:
+def capacity_resume(reason: str = Reason, data_dir: Path | None = DataDir) -> None:
     """Lend again when the load allows."""
     capacity_call(data_dir, "resume", reason)
 
 
 @capacity_app.command("status")
-def capacity_status(data_dir: Optional[Path] = DataDir, as_json: bool = Json) -> None:
+def capacity_status(data_dir: Path | None = DataDir, as_json: bool = Json) -> None:
     """Whether lending is paused (who, why), the replicas lent and in production, and the
     latest lends and take-backs."""
     from liverl.lending import lending_state, scheduler_answers
@@ -743,9 +750,9 @@ def capacity_status(data_dir: Optional[Path] = DataDir, as_json: bool = Json) ->
 
 @app.command()
 def audit(limit: int = typer.Option(50, help="Newest entries to show."),
-          action: Optional[str] = typer.Option(None, help="Only this action, e.g. keys.create."),
+          action: str | None = typer.Option(None, help="Only this action, e.g. keys.create."),
           as_json: bool = typer.Option(False, "--json", help="JSON lines instead of a table."),
-          data_dir: Optional[Path] = DataDir) -> None:
+          data_dir: Path | None = DataDir) -> None:
     """Every admin action (keys, learner control, SQL, promotion), who took it and why."""
 
     from liverl.audit import AuditLog
@@ -758,7 +765,7 @@ def audit(limit: int = typer.Option(50, help="Newest entries to show."),
         for entry in entries:
             print(entry.model_dump_json())
         return
-    print_rows([{"at": datetime.fromtimestamp(e.at, timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
+    print_rows([{"at": datetime.fromtimestamp(e.at, UTC).strftime("%Y-%m-%d %H:%M:%S"),
                  "actor": e.actor, "action": e.action, "target": e.target, "reason": e.reason,
                  "details": json.dumps(e.details)[:80]} for e in entries], title="audit log")
 

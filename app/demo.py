@@ -17,6 +17,7 @@ held-out pass rate of the coding environment per version.
 from __future__ import annotations
 
 import ast
+import itertools
 import json
 import math
 import random
@@ -24,10 +25,11 @@ import statistics
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from liverl_client import FeedbackClient
 from openai import OpenAI
@@ -70,7 +72,7 @@ def make_prompt(rng: random.Random) -> str:
 
 def hidden_rule(prompt: str, completion: str, max_lines: int = 4) -> bool:
     """The users' secret taste: prompt + completion is valid Python, and short."""
-    lines = [l for l in completion.splitlines() if l.strip()]
+    lines = [line for line in completion.splitlines() if line.strip()]
     if not lines or len(lines) > max_lines:
         return False
     with warnings.catch_warnings():  # the policy's odd literals are not our warnings
@@ -168,7 +170,9 @@ class Population:
                                              raw.headers.get("x-liverl-replica", ""), raw.retries_taken))
             version = raw.headers["x-liverl-policy-version"]
             ok = self.judge(prompt, completion.choices[0].text)
-            (self.feedback.accept if ok else self.feedback.reject)(completion.model_extra["completion_id"])
+            extra = completion.model_extra
+            assert extra is not None, "openai's models keep the gateway's extra fields (completion_id)"
+            (self.feedback.accept if ok else self.feedback.reject)(extra["completion_id"])
             with self._lock:
                 tally = self.tallies.setdefault(version, Tally(first_at=time.time() - self.started))
                 tally.served += 1
@@ -237,7 +241,7 @@ def plot(tallies: dict[str, Tally], out_dir: Path, day: dict | None = None) -> t
 
     fig, axes = plt.subplots(1, 3 if day else 2, figsize=(19 if day else 13, 4.5))
     by_time, by_events = axes[:2]
-    for version, t in sorted(tallies.items(), key=lambda kv: int(kv[0][1:])):
+    for _, t in sorted(tallies.items(), key=lambda kv: int(kv[0][1:])):
         if not t.log:
             continue
         times = [x for x, _ in t.log]
@@ -276,7 +280,7 @@ def day_panel(ax, day: dict) -> None:
     """Load against wall time, lent periods shaded, held-out pass rate per version."""
     ax.step([t for t, _ in day["load"]], [n for _, n in day["load"]], where="post", color="tab:gray",
             label="active users (production load)")
-    for start, end, replica in day["lent"]:
+    for start, end, _ in day["lent"]:
         ax.axvspan(start, end, color="tab:green", alpha=0.15, linewidth=0)
     ax.axvspan(0, 0, color="tab:green", alpha=0.15, label="a replica lent to rollouts")
     ax.set_xlabel("seconds since the first request")
@@ -308,7 +312,8 @@ def lent_intervals(events: list[CapacityEvent], started: float, end_s: float) ->
 def take_back_seconds(events: list[CapacityEvent]) -> list[float]:
     """Per take-back that succeeded, seconds from the load reading that first asked for it
     (a failed attempt's, if its swap back failed first) to the replica serving production."""
-    seconds, first_asked = [], {}
+    seconds: list[float] = []
+    first_asked: dict[str, float] = {}
     for e in events:
         if e.action != "take_back":
             continue
@@ -332,7 +337,7 @@ def harvest(lent: list[tuple[float, float, str]], load: list[tuple[float, int]],
     users = dict(load)
     seconds = {"lent": 0.0, "alone": 0.0, "beside_production": 0.0}
     generated = dict.fromkeys(seconds, 0.0)
-    for (t0, n0), (t1, n1) in zip(tokens, tokens[1:]):
+    for (t0, n0), (t1, n1) in itertools.pairwise(tokens):
         if not any(a <= t0 and t1 <= b for a, b, _ in lent):
             continue
         for period in ("lent", "alone" if users.get(t0, 1) == 0 else "beside_production"):
@@ -346,7 +351,7 @@ def harvest(lent: list[tuple[float, float, str]], load: list[tuple[float, int]],
 
 
 def capacity_summary(pop: Population, events: list[CapacityEvent], rollouts: dict,
-                     load: list[tuple[float, int]] = (), tokens: list[tuple[float, int]] = ()) -> dict:
+                     load: Sequence[tuple[float, int]] = (), tokens: Sequence[tuple[float, int]] = ()) -> dict:
     """What lending cost production and what it harvested: take-back times, failed
     requests, production latency p99 while a replica was lent and while none was, and
     rollout tokens/s while lent against a lent replica's alone (`harvest`).
@@ -419,7 +424,8 @@ def heldout_by_version(settings: Settings, started: float, tasks: int, most: int
             settings.starter.cache_dir, seed=settings.starter.seed, progress=False))
 
     return [{"version": "v0", "at_s": 0.0, **scored("v0", starter)}] + [
-        {"version": v.version, "at_s": max(0.0, v.created_at - started), **scored(v.version, lambda v=v: Path(v.model_dir))}
+        {"version": v.version, "at_s": max(0.0, v.created_at - started),
+         **scored(v.version, partial(Path, v.model_dir))}
         for v in later if v.version in chosen]
 
 
@@ -476,7 +482,7 @@ def regressions(order: list[str], per_version: list[dict], min_served: int = 200
     rates = {row["policy_version"]: (row["accept_rate"], int(row["n"])) for row in per_version
              if row["accept_rate"] is not None}
     worse = []
-    for before, after in zip(order, order[1:]):
+    for before, after in itertools.pairwise(order):
         if before not in rates or after not in rates or rates[after][1] < min_served:
             continue
         rate, n = rates[after]
@@ -653,7 +659,7 @@ def stop_stack(settings: Settings, console: Console) -> None:
 def demo_settings(day: bool = False) -> Settings:
     """The demo's stack: its own data directory, fast cadence, automatic promotion; for a
     simulated day, the capacity scheduler lends idle replicas to coding rollouts."""
-    defaults = {
+    defaults: dict[str, Any] = {
         # PPO-clip around each version's parent: under the guard, stable serves about five
         # versions behind the learner and the canary two, and truncated-IS REINFORCE on such
         # stale samples overshoots and stalls at ~0.3 in 4 of 5 seeds; PPO's median is 0.91.
