@@ -68,7 +68,7 @@ def function_name(node: exp.Func) -> str:
     return node.sql_name()
 
 
-def parse(sql: str) -> exp.Expression:
+def parse(sql: str) -> exp.Query:
     """The one statement in `sql`, if it is a query liverl can resolve."""
     try:
         sql.encode("utf-8")
@@ -86,7 +86,7 @@ def parse(sql: str) -> exp.Expression:
     return statement
 
 
-def check(statement: exp.Expression) -> None:
+def check(statement: exp.Query) -> None:
     """Refuse anything but liverl's tables and allowed functions, and any query option."""
     for node in statement.walk():
         if isinstance(node, exp.Select) and any(node.args.get(k) for k in ("settings", "format")):
@@ -107,14 +107,15 @@ def check(statement: exp.Expression) -> None:
             raise RefusedQuery(f"table {table.sql(dialect='clickhouse')!r} is not one of liverl's tables")
 
 
-def scope_to_tenant(statement: exp.Expression, tenant: str) -> exp.Expression:
+def scope_to_tenant(statement: exp.Query, tenant: str) -> exp.Query:
     """Every reference to a liverl table reads only the tenant's rows of it."""
     ctes = {cte.alias_or_name for cte in statement.find_all(exp.CTE)}
     literal = exp.Literal.string(tenant).sql(dialect="clickhouse")
     for table in list(statement.find_all(exp.Table)):
         if table.name in ctes and not table.db:
             continue
-        final = isinstance(table.parent, exp.Final)  # `t FINAL` stays on the table itself
+        parent = table.parent
+        final = isinstance(parent, exp.Final)  # `t FINAL` stays on the table itself
         source = f"{DATABASE}.{table.name}{' FINAL' if final else ''}"
         if table.name in SHARED_TABLES:
             inner = f"SELECT {SHARED_TABLES[table.name]} FROM {source}"
@@ -122,7 +123,7 @@ def scope_to_tenant(statement: exp.Expression, tenant: str) -> exp.Expression:
             inner = f"SELECT * FROM {source} WHERE tenant = {literal}"
         scoped = exp.Subquery(this=sqlglot.parse_one(inner, read="clickhouse"),
                               alias=exp.TableAlias(this=exp.to_identifier(table.alias_or_name)))
-        (table.parent if final else table).replace(scoped)
+        (parent if isinstance(parent, exp.Final) else table).replace(scoped)
     return statement
 
 

@@ -27,7 +27,7 @@ import hashlib
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import ValidationError
 
@@ -149,7 +149,8 @@ class FeedbackJoin:
         result = self.rewarder.score(trajectory, events)
         self._emit(state, result, "late" if state["closed"] else "feedback", now, out)
 
-    def _emit(self, state: State, result: RewardResult, source: str, now: float, out: Emitted) -> None:
+    def _emit(self, state: State, result: RewardResult, source: Literal["feedback", "default", "late"], now: float,
+              out: Emitted) -> None:
         trajectory = Trajectory.model_validate(state["trajectory"])
         state["revision"] += 1
         sample_id = join_key(trajectory.tenant, trajectory.completion_id)
@@ -189,7 +190,7 @@ class FeedbackJoin:
         out = Emitted()
         self.close_requested.discard(key)
         state = self.states.get(key)
-        if not self.is_due(state, now):
+        if state is None or not self.is_due(state, now):
             return out  # already closed by an earlier request
         if state["closed"]:
             del self.states[key]

@@ -134,16 +134,17 @@ class Sink:
         """The sample's row; `batch` holds this consumer batch's rows so far by sample id,
         so a revision whose predecessor is in the same batch (not yet stored) corrects it."""
         judged = s.accepted is not None
-        row = dict(event_id=s.event_id, sample_id=s.sample_id, revision=s.revision,
+        row: dict[str, Any] = dict(event_id=s.event_id, sample_id=s.sample_id, revision=s.revision,
                    tenant=s.tenant, timestamp=_ts(s.timestamp),
                    served_at=_ts(s.trajectory.timestamp),
                    policy_version=s.trajectory.policy_version, reward=s.reward,
                    reward_source=s.reward_source, reward_fn_version=s.reward_fn_version,
-                   accepted=None if not judged else int(s.accepted),
+                   accepted=None if s.accepted is None else int(s.accepted),
                    completion_tokens=s.trajectory.token_counts()[1],
                    reward_delta=s.reward, accepted_delta=int(bool(s.accepted)),
                    judged_delta=int(judged), count_delta=1, source=s.trajectory.source)
         earlier = batch.get(s.sample_id)
+        prev: dict | None
         if earlier is not None and earlier["revision"] < s.revision:
             prev = earlier
         else:

@@ -13,6 +13,7 @@ sweep timer only finds windows that are due and sends their keys to WINDOW_CLOSE
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import faust
 from prometheus_client import Counter
@@ -41,7 +42,7 @@ app = faust.App(
     datadir=str(settings.data_dir / "faust"),
     consumer_auto_offset_reset="earliest",
 )
-raw = {"key_serializer": "raw", "value_serializer": "raw"}
+raw: dict[str, Any] = {"key_serializer": "raw", "value_serializer": "raw"}
 incoming = app.topic(Topics.TRAJECTORIES, Topics.FEEDBACK, Topics.WINDOW_CLOSE, **raw)
 window_close = app.topic(Topics.WINDOW_CLOSE, **raw)
 samples_topic = app.topic(Topics.SAMPLES, **raw)

@@ -111,7 +111,8 @@ def validated_items(raw: bytes, max_items: int) -> list[tuple[str | None, str, I
         except ValidationError as error:
             item = ItemError(describe(error, f"batch.{index}"))
         items.append((item_id if isinstance(item_id, str) else None,
-                      item_type if item_type in ITEM_TYPES else "?", item))  # bounded metric labels
+                      item_type if isinstance(item_type, str) and item_type in ITEM_TYPES else "?",
+                      item))  # bounded metric labels
     return items
 
 
