@@ -16,6 +16,7 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from fastapi import FastAPI
@@ -54,9 +55,9 @@ class Evaluator:
             log(logger, "could not evaluate", version=version.version, error=repr(error))
             return None
         # Which tasks, not only how many: two versions are compared task by task (paired).
-        figures = {"pass_rate": sum(solved) / len(solved), "tasks": len(solved),
-                   "solved": "".join("1" if s else "0" for s in solved), "task_set": self.task_set,
-                   "seconds": time.time() - started, "evaluated_at": time.time()}
+        figures: dict[str, Any] = {"pass_rate": sum(solved) / len(solved), "tasks": len(solved),
+                                   "solved": "".join("1" if s else "0" for s in solved), "task_set": self.task_set,
+                                   "seconds": time.time() - started, "evaluated_at": time.time()}
         self.registry.update_metrics(version.version, heldout=figures)
         self.results[version.version] = figures["pass_rate"]
         log(logger, "evaluated", version=version.version, pass_rate=figures["pass_rate"],

@@ -162,7 +162,15 @@ class Scheduler:
 
     def rollout_version(self) -> PolicyVersion:
         """The learner's newest version (its chain's head), which rollouts sample from."""
-        return self.registry.head() or self.registry.stable()
+        version = self.registry.head() or self.registry.stable()
+        assert version is not None, "the registry holds the starter at least"
+        return version
+
+    def stable_version(self) -> str:
+        """Stable's name in the registry (a version leaves stable only for another)."""
+        stable = self.registry.stable()
+        assert stable is not None, "the registry always has a stable version"
+        return stable.version
 
     def production_returned(self) -> bool:
         """One more load reading, for a wait that holds the loop: whether production's load
@@ -224,7 +232,8 @@ class Scheduler:
             set_replica(self.settings, replica.name, enabled=True)
         self.refreshed[replica.name] = time.time()
         return self.event("lend", decision, read_pool(self.settings).get(replica.name).policy_version,
-                          time.time() - asked_at, report and report.error, steps=swap_steps(report))
+                          time.time() - asked_at, report.error if report is not None else None,
+                          steps=swap_steps(report))
 
     def take_back(self, decision: Decision, asked_at: float) -> CapacityEvent:
         with replica_lock(self.settings, decision.replica):
@@ -244,7 +253,7 @@ class Scheduler:
         report and the error, if any (it then stays lent and disabled, for the next look)."""
         report = None
         for _ in range(tries):
-            stable = self.registry.get(read_pool(self.settings).aliases.get("stable") or self.registry.stable().version)
+            stable = self.registry.get(read_pool(self.settings).aliases.get("stable") or self.stable_version())
             report = self.move(name, stable, enable=False) or report  # enabled below, once no longer lent
             if report is not None and report.error:
                 return stable.version, report, report.error
@@ -289,7 +298,11 @@ class Scheduler:
         newest = self.rollout_version()
         lent = read_pool(self.settings).lent
         if lent and (self.keeping is None or self.keeping.done()):
-            self.keeping = self.keeper.submit(lambda: [self.keep_stable(r.name) for r in lent])
+            def keep_lent() -> None:
+                for r in lent:
+                    self.keep_stable(r.name)
+
+            self.keeping = self.keeper.submit(keep_lent)
         for replica in lent:
             if (replica.enabled  # disabled: being taken back (its swap back failed), never re-lent here
                     and replica.policy_version != newest.version
@@ -308,8 +321,8 @@ class Scheduler:
                 self.refreshed[replica.name] = time.time()
         return None
 
-    def event(self, action: str, decision: Decision, version: str, seconds: float, error: str | None,
-              aborted: int | None = None, steps: dict[str, float] | None = None) -> CapacityEvent:
+    def event(self, action: Literal["lend", "take_back"], decision: Decision, version: str, seconds: float,
+              error: str | None, aborted: int | None = None, steps: dict[str, float] | None = None) -> CapacityEvent:
         bound = self.config.take_back_bound_s if action == "take_back" else None
         event = CapacityEvent(action=action, replica=decision.replica, policy_version=version,
                               load=decision.load, tokens_per_s=decision.tokens_per_s, why=decision.why,
@@ -324,8 +337,8 @@ class Scheduler:
         record_event(self.settings, event)
         try:
             produce_sync(self.settings, Topics.CAPACITY, encode(event))
-        except Exception as error:  # the log file and the metric have it; analytics may be down
-            log(logger, "could not publish", error=repr(error))
+        except Exception as publish_error:  # the log file and the metric have it; analytics may be down
+            log(logger, "could not publish", error=repr(publish_error))
         log(logger, action, replica=decision.replica, version=version, load=round(decision.load, 2),
             seconds=round(seconds, 3), why=decision.why, error=error)
         return event
@@ -340,7 +353,7 @@ class Scheduler:
         # only wait, so a candidate does not take a replica back from rollouts until traffic returns.
         canary = load.requests_per_s > self.settings.promotion.quiet_requests_per_s and self.canary_wanted(pool)
         paused = read_pause(self.settings)
-        why_paused = paused and f"lending paused by {paused.actor}: {paused.reason}"
+        why_paused = f"lending paused by {paused.actor}: {paused.reason}" if paused is not None else None
         decision = self.rules.decide(time.monotonic(), load, pool, canary, backing_off, why_paused)
         busy = production_load(load, pool)
         if decision is None or decision.action != "take_back":
@@ -350,6 +363,7 @@ class Scheduler:
         # A refresh holds the loop: only while quiet, and not while lending is paused.
         if decision is None and not paused and busy <= self.config.lend_below:
             decision = self.refresh()
+            assert self.calm_at is not None, "set above; a refresh only moves it on"
             asked_at = self.calm_at  # a take-back if production returned: from the last calm reading
         if decision is None:
             return None

@@ -80,7 +80,8 @@ class CompletionRequest(BaseModel):
 
 
 class ChatRequest(CompletionRequest):
-    prompt: None = Field(None, exclude=True)
+    # Chat has no prompt: pydantic lets a subclass narrow the field to None, mypy calls it an incompatible override.
+    prompt: None = Field(None, exclude=True)  # type: ignore[assignment]
     messages: list[dict[str, Any]] = Field(min_length=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
