@@ -268,6 +268,7 @@ class Controller:
                 log(logger, "promotion finished", version=newest.version, state=result.state)
                 return
             self.state = f"starting canary {newest.version}"
+            assert stable is not None, "a canary is judged against stable"
             # Recorded first, so a restart after the swap knows this canary is the controller's.
             self.registry.update_metrics(newest.version, canary={"started_at": time.time(), "stable": stable.version})
             canary = self.promoter.start_canary(newest.version, ACTOR,
@@ -532,7 +533,7 @@ class Controller:
         if time.time() < self.next_heldout_check:
             return
         self.next_heldout_check = time.time() + 10 * self.config.poll_s
-        scored = {}  # each version that was stable and scored, in the order it became stable
+        scored: dict[str, dict] = {}  # each version that was stable and scored, in the order it became stable
         for version, _, _ in self.stable_periods():
             figures = self.registry.get(version).metrics.get("heldout") or {}
             if "solved" in figures:

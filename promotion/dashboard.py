@@ -76,7 +76,8 @@ class Sessions:
         if not cookie:
             return None
         try:
-            session = self.signer.loads(cookie, max_age=self.max_age)
+            # Whole seconds, as itsdangerous counts a signature's age: the same expiry.
+            session = self.signer.loads(cookie, max_age=int(self.max_age))
         except BadSignature:
             return None
         record = self.keys.get(session["key"])

@@ -91,7 +91,8 @@ def diff(settings: Settings, a: str, b: str, kl_completions: int = 64) -> dict:
         figures[row["policy_version"]]["tenants"][row["tenant"]] = {
             "served": row["n"], "mean_reward": row["reward_sum"] / max(row["n"], 1),
             "accept_rate": row["accepted"] / row["judged"] if row["judged"] else None, "accept_ci": [lo, hi]}
-    return {"a": a, "b": b, "versions": figures, "kl_on_logged": logged_kl(settings, *versions, kl_completions)}
+    return {"a": a, "b": b, "versions": figures,
+            "kl_on_logged": logged_kl(settings, versions[0], versions[1], kl_completions)}
 
 
 def logged_kl(settings: Settings, a: PolicyVersion, b: PolicyVersion, n: int) -> dict:
