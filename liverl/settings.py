@@ -13,7 +13,7 @@ import json
 import os
 from functools import lru_cache
 from pathlib import Path
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
 from pydantic import (
     BaseModel,
@@ -77,7 +77,7 @@ class KafkaBroker(Config):
 
 SECRET_FIELDS = {"warehouse": {"password"}, "delta_store": {"secret_access_key"}}
 
-BrokerConfig = Annotated[Union[EmbeddedBroker, KafkaBroker], Field(discriminator="kind")]
+BrokerConfig = Annotated[EmbeddedBroker | KafkaBroker, Field(discriminator="kind")]
 
 
 # --- ClickHouse ------------------------------------------------------------------------
@@ -112,7 +112,7 @@ class ClickHouseServer(WarehouseWrites):
     _password = field_serializer("password")(reveal_secret)
 
 
-WarehouseConfig = Annotated[Union[ChdbWarehouse, ClickHouseServer], Field(discriminator="kind")]
+WarehouseConfig = Annotated[ChdbWarehouse | ClickHouseServer, Field(discriminator="kind")]
 
 
 # --- Delta store -------------------------------------------------------------------------
@@ -138,7 +138,7 @@ class S3DeltaStore(Config):
     _secret = field_serializer("secret_access_key")(reveal_secret)
 
 
-DeltaStoreConfig = Annotated[Union[LocalDeltaStore, S3DeltaStore], Field(discriminator="kind")]
+DeltaStoreConfig = Annotated[LocalDeltaStore | S3DeltaStore, Field(discriminator="kind")]
 
 
 class SyncConfig(Config):
@@ -148,10 +148,12 @@ class SyncConfig(Config):
         "delta", description="Ship verified deltas through the delta store, or load the registry's directory."
     )
     snapshot_every: int = Field(10, ge=1, description="Also store a full snapshot of every Nth version.")
-    keep_versions: int = Field(8, ge=1, description="Newest versions the delta store and the registry keep besides those still needed.")
+    keep_versions: int = Field(8, ge=1, description="Newest versions the delta store and the registry keep besides "
+                               "those still needed.")
     fetch_retries: int = Field(3, ge=0, description="Extra fetches of a chunk that arrives corrupted or short.")
     delta_format: Literal[1, 2] = Field(
-        2, description="Delta format the learner writes (sync.delta): 2 codes each change given the base's exponents; 1 while a replica runs an older liverl."
+        2, description="Delta format the learner writes (sync.delta): 2 codes each change given the base's "
+        "exponents; 1 while a replica runs an older liverl."
     )
 
 
@@ -217,7 +219,8 @@ class ServingConfig(Config):
         30.0, ge=0, description="How long a request waits for a replica while every one is swapping."
     )
     tenant_requests_per_s: float = Field(
-        200.0, ge=0, description="Completions per second one tenant may request through one gateway process (0: unlimited); more is answered 429.",
+        200.0, ge=0, description="Completions per second one tenant may request through one gateway process "
+        "(0: unlimited); more is answered 429.",
     )
     tenant_requests_burst: float = Field(
         400.0, gt=0, description="Requests one tenant may send at once before its rate applies.",
@@ -260,11 +263,14 @@ class IngestConfig(Config):
         return self
 
     max_batch_items: int = Field(1000, ge=1, description="Most items accepted in one ingestion batch.")
-    max_item_bytes: int = Field(64 * 1024, ge=1024, description="Largest accepted item, in JSON bytes of the event written to Kafka.")
+    max_item_bytes: int = Field(64 * 1024, ge=1024,
+                                description="Largest accepted item, in JSON bytes of the event written to Kafka.")
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="Largest request body accepted.")
-    delivery_timeout_s: float = Field(30.0, gt=0, description="How long an item may wait for the broker's ack before it is answered 503.")
+    delivery_timeout_s: float = Field(30.0, gt=0, description="How long an item may wait for the broker's ack "
+                                      "before it is answered 503.")
     tenant_events_per_s: float = Field(
-        50_000.0, ge=0, description="Events per second one tenant may send to one API process (0: unlimited); more is answered 429.",
+        50_000.0, ge=0, description="Events per second one tenant may send to one API process (0: unlimited); "
+        "more is answered 429.",
     )
     tenant_events_burst: float = Field(
         100_000.0, gt=0, description="Events one tenant may send at once before its rate applies.",
@@ -601,7 +607,7 @@ class Settings(BaseSettings):
     drain_timeout_s: float = Field(120.0, gt=0, description="How long `down` waits for draining.")
 
     @model_validator(mode="after")
-    def _distinct_ports(self):
+    def _distinct_ports(self) -> Settings:
         """Every listening port belongs to one component (replicas take base .. base+n-1)."""
         ports = self.ports
         claims = {f"LIVERL_PORTS__{name.upper()}": getattr(ports, name)

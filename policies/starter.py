@@ -140,7 +140,8 @@ def build_starter_policy(
         torch.manual_seed(seed)
         files = corpus_files(corpus_limit)
         tokenizer = train_tokenizer(files, vocab_size)
-        config = Qwen3MoeConfig(
+        # head_dim: taken at run time (Qwen3MoeConfig keeps extra keywords), not in its typed signature.
+        config = Qwen3MoeConfig(  # type: ignore[call-arg]
             vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
             moe_intermediate_size=hidden_size, num_hidden_layers=num_layers, num_attention_heads=4,
             num_key_value_heads=2, head_dim=32,  # vLLM's CPU attention needs head_dim >= 32
@@ -158,7 +159,7 @@ def build_starter_policy(
             print(f"building the starter policy from its recipe (seed {seed}): {len(tokens):,} tokens, "
                   f"{train_steps} steps of mid-training", flush=True)
         mid_train(model, tokens, train_steps, seed, progress)
-        model.to(torch.bfloat16)
+        model.to(torch.bfloat16)  # type: ignore[arg-type]  # transformers' wrapper of .to types self as its argument
         if tie_embeddings:
             untie(model)
         model.save_pretrained(staging)
