@@ -664,7 +664,7 @@ def demo_settings(day: bool = False) -> Settings:
         # versions behind the learner and the canary two, and truncated-IS REINFORCE on such
         # stale samples overshoots and stalls at ~0.3 in 4 of 5 seeds; PPO's median is 0.91.
         # A baseline per kind of prompt frees the seeds PPO still stalls on (lowest of five
-        # 0.86 instead of 0.70 at 80 rounds): benchmarks/bench_ablation.py; docs/learning.md,
+        # 0.86 instead of 0.70 at 80 rounds): benchmarks/bench_ablation.py; docs/history.md,
         # "The fast harness". A step sized by each version's KL from its parent takes +40 in
         # 9-10 versions instead of 11-12, where a fixed lr that large lets some seeds fall
         # back late ("An adaptive step size").
@@ -676,13 +676,13 @@ def demo_settings(day: bool = False) -> Settings:
         # after it was served.
         "serving": {"replicas": 2, "canary_share": 0.5},
         # Every process shares two cores: a niced stream let judged feedback reach the guard
-        # 60-100 s late and halved the versions that served (docs/learning.md); here the
+        # 60-100 s late and halved the versions that served (docs/history.md); here the
         # stream and the sink keep up at the same priority as everyone else.
         "stream_nice": 0,
         # Latency is not judged here: both replicas, the learner and the users share two
         # cores, so a canary's p99 says which process the kernel ran, not how fast the
         # policy is (5 of the 7 aborts in the Nov 24-25 trials were p99-only, with accept
-        # rates within a few points: docs/learning.md).
+        # rates within a few points: docs/history.md).
         "promotion": {"auto_promote": True, "judge_after_s": 1.0, "margin": 0.1, "reward_margin": 0.1,
                       "canary_refresh_samples": 300, "latency_p99_ratio": None},
     }  # the demo's own defaults: `LIVERL_*` variables still override each of them

@@ -2,7 +2,7 @@
 one process, a few minutes a run and the same result for the same seed.
 
 The full demo (`bench_learning.py`) runs nine processes on two cores; its timing, and so
-its learning, differs between two runs of one seed (docs/learning.md). This harness keeps
+its learning, differs between two runs of one seed (docs/history.md). This harness keeps
 what decides how the update learns and drops the rest: the real `Trainer` (the learner's
 loss, advantages, importance weights and router replay), the starter policy, the demo's
 prompts and its users' hidden rule, and versions that serve only some versions after

@@ -44,14 +44,14 @@ console = Console()
 # the values and outputs free as well the held-out rate peaked and fell back; with the whole
 # model (embeddings frozen), lower peaks. A fixed lr of 1.25e-4: since the sink writes in
 # batches, versions come 60% faster, and 2e-4 (chosen before: 1e-4 rose slower, 3e-4 fell
-# back) ended at +22.0 to +24.5, 1.25e-4 at +29.5 to +33.5 (docs/benchmarks.md, "Production
+# back) ended at +22.0 to +24.5, 1.25e-4 at +29.5 to +33.5 (docs/history.md, "Production
 # first at the take-back"); #12's adaptive step from 6e-4 did not learn from rollouts.
 # Groups whose rewards are all equal are dropped (nothing to learn; they would fill a
 # version's batch). The demo's day trains on the wide pool of parameter names
 # (`rollouts.train_params`), and the starter
 # copies names of several tokens: each held-out task passes or fails by its name, and the
 # twelve one-token training names could not teach `word` (two tokens) or names the starter
-# confuses: +18.5 to +25.0 before, +35.5 with both (docs/benchmarks.md, "What the update may
+# confuses: +18.5 to +25.0 before, +35.5 with both (docs/history.md, "What the update may
 # change", "Name by name", "A starter that copies names of several tokens").
 ROLLOUTS_ONLY = {"LIVERL_CAPACITY__LEND_AFTER_S": "2", "LIVERL_CAPACITY__REFRESH_S": "5",
                  "LIVERL_LEARNER__LR": "1.25e-4", "LIVERL_LEARNER__TARGET_KL": "null",

@@ -38,7 +38,7 @@ def version_minibatches(order: list[int], minibatch: int, max_steps: int) -> lis
     how far a version drifts from the versions that served its samples (one or two back
     under asynchronous serving). Unbounded, a busy hour's big batch drifts far enough
     that pi/mu leaves the truncation range and the off-policy correction throws the
-    signal away (docs/benchmarks.md, Demo).
+    signal away (docs/history.md, Demo).
     """
     size = max(minibatch, -(-len(order) // max_steps))  # ceil division
     return [order[start : start + size] for start in range(0, len(order), size)]

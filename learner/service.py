@@ -192,7 +192,7 @@ class Learner:
 
         Samples come from what serves; a chain of versions no user got is trained further
         and further off-policy (the importance weights fall, the entropy collapses:
-        docs/learning.md), so its lead is bounded as the staleness of samples is."""
+        docs/history.md), so its lead is bounded as the staleness of samples is."""
         lead, serving = self.config.max_lead_versions, self.serving
         if lead is None or not serving:
             return

@@ -10,7 +10,7 @@ are the tokenizer's single-token lower-case words minus the coding splits' pools
 keywords and builtins), and in a quarter of the functions names of two or three tokens
 made from them, so the copy goes on past a name's first token; constants lie outside both
 splits: no task of either split is in the primer, so a held-out pass is a copy, not a
-memory (docs/benchmarks.md, "A starter with a primer", "Tied embeddings during
+memory (docs/history.md, "A starter with a primer", "Tied embeddings during
 mid-training" and "A starter that copies names of several tokens").
 """
 

@@ -117,7 +117,7 @@ def build_starter_policy(
     (`policies/primer.py`); with `tie_embeddings` the input and output embeddings are one
     matrix during mid-training, so copying a token from the context predicts it for any
     name, not only the ones the primer copied (level 1 at temperature 1: 18.1% tied, 4.1%
-    untied; docs/benchmarks.md). The checkpoint is saved untied, as the learner, the delta
+    untied; docs/history.md). The checkpoint is saved untied, as the learner, the delta
     codec and vLLM's weight updates take it."""
     args = dict(seed=seed, vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers,
                 num_experts=num_experts, top_k=top_k, train_steps=train_steps, corpus_limit=corpus_limit,

@@ -89,7 +89,7 @@ CASES = 5  # inputs per task: enough that a lucky constant never passes
 # one token or several, none of them a held-out name, a keyword or a builtin. Twelve names of
 # one token teach a policy to favour them and to stop after a name's first token; with these,
 # a policy that already copies some names of several tokens learns to copy the name it reads
-# (docs/benchmarks.md, "A starter that copies names of several tokens, and wide training names").
+# (docs/history.md, "A starter that copies names of several tokens, and wide training names").
 _WIDE = """amount total price index offset limit width height length depth score level weight speed
 rate delta step start end low high first last prev current target label title message content
 body header status code flag state config options params query url host port user email record

@@ -184,7 +184,7 @@ def _decompressor() -> zstandard.ZstdDecompressor:
 # values: a change's address there is its position in the tensor, which costs 1-2% more
 # bytes than its rank (the gaps also count the small values between changes) but spares
 # the decoder a second pass listing the last class's members to find the rank-th (a
-# fifth of its time at lr 1e-5; docs/benchmarks.md, "Format 2").
+# fifth of its time at lr 1e-5; docs/history.md, "Format 2").
 
 MAX_CLASSES = 4
 PLAN_SAMPLE = 1 << 16
