@@ -92,6 +92,21 @@ def build_key(args: dict[str, int | float | bool]) -> str:
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
 
 
+def starter_config(tokenizer, hidden_size: int, num_layers: int, num_experts: int, top_k: int,
+                   tie_embeddings: bool) -> Qwen3MoeConfig:
+    """The starter's architecture: a small Qwen3-MoE over `tokenizer`'s vocabulary."""
+    # head_dim: taken at run time (Qwen3MoeConfig keeps extra keywords), not in its typed signature.
+    return Qwen3MoeConfig(  # type: ignore[call-arg]
+        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        moe_intermediate_size=hidden_size, num_hidden_layers=num_layers, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32,  # vLLM's CPU attention needs head_dim >= 32
+        num_experts=num_experts, num_experts_per_tok=top_k, norm_topk_prob=True,
+        max_position_embeddings=1024, tie_word_embeddings=tie_embeddings,
+        bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.eos_token_id,
+    )
+
+
 def build_starter_policy(
     out_dir: Path,
     *,
@@ -140,17 +155,8 @@ def build_starter_policy(
         torch.manual_seed(seed)
         files = corpus_files(corpus_limit)
         tokenizer = train_tokenizer(files, vocab_size)
-        # head_dim: taken at run time (Qwen3MoeConfig keeps extra keywords), not in its typed signature.
-        config = Qwen3MoeConfig(  # type: ignore[call-arg]
-            vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-            moe_intermediate_size=hidden_size, num_hidden_layers=num_layers, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=32,  # vLLM's CPU attention needs head_dim >= 32
-            num_experts=num_experts, num_experts_per_tok=top_k, norm_topk_prob=True,
-            max_position_embeddings=1024, tie_word_embeddings=tie_embeddings,
-            bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.eos_token_id,
-        )
-        model = Qwen3MoeForCausalLM(config)
+        model = Qwen3MoeForCausalLM(starter_config(tokenizer, hidden_size, num_layers, num_experts, top_k,
+                                                   tie_embeddings))
         tokens = token_stream(files, tokenizer)
         if primer_functions:
             functions = primer.primer_tokens(tokenizer, primer_functions, primer_level2_share)
