@@ -114,16 +114,27 @@ def token_logprobs(model: torch.nn.Module, batch: Batch, weights: dict[str, torc
 @contextmanager
 def swapped_in(model: torch.nn.Module, weights: dict[str, torch.Tensor] | None) -> Iterator[None]:
     """The model computing with `weights` (by its parameter names) instead of its own inside
-    the block, no gradient through them. They are copied into the parameters and the
-    originals back after, as FSDP gathers each forward's weights from the shards it keeps
-    (torch.func.functional_call would not reach them)."""
+    the block, no gradient through them. Alone, each parameter points at its stand-in and
+    back (no copy of the weights at every step); under FSDP they are copied into the shards
+    and the originals back after, as FSDP gathers each forward's weights from the shards it
+    keeps (neither a pointer nor torch.func.functional_call would reach them)."""
     if not weights:
         yield
         return
-    resharded(model)
+    resharded(model)  # the shards, not what a forward left gathered
     parameters = dict(model.named_parameters())
+    if rank_and_world()[1] == 1:
+        own = {name: parameters[name].data for name in weights}
+        for name, weight in weights.items():
+            parameters[name].data = weight
+        try:
+            yield
+        finally:
+            for name, tensor in own.items():
+                parameters[name].data = tensor
+        return
     with torch.no_grad():
-        own = {name: parameters[name].detach().clone() for name in weights}
+        copies = {name: parameters[name].detach().clone() for name in weights}
         for name, weight in weights.items():
             parameters[name].copy_(weight)
     try:
@@ -131,7 +142,7 @@ def swapped_in(model: torch.nn.Module, weights: dict[str, torch.Tensor] | None) 
     finally:
         resharded(model)
         with torch.no_grad():
-            for name, weight in own.items():
+            for name, weight in copies.items():
                 parameters[name].copy_(weight)
 
 
