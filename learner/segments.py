@@ -18,7 +18,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from liverl.contracts import WRITTEN_ROLES, Trajectory, Turn
+import numpy as np
+
+from liverl.contracts import WRITTEN_ROLES, Architecture, Trajectory, Turn, misfit
+
+UNKNOWN = -1  # a token whose routing inference did not record
 
 
 @dataclass(frozen=True)
@@ -26,14 +30,15 @@ class Segment:
     token_ids: list[int]
     written: list[bool]  # per token: the policy sampled it here (in the loss)
     behaviour_logprobs: list[float]  # per token: log mu where written, 0 elsewhere
-    routed_experts: list[list[list[int]]] | None = None  # [token][layer][k], single-turn only
+    routed_experts: np.ndarray | None = None  # [tokens (a prefix), layers, k]; UNKNOWN where not recorded
 
 
 def segments(t: Trajectory) -> list[Segment]:
     if t.turns is None or not t.multi_turn():
         p, c = t.prompt_token_ids, t.completion_token_ids
+        routing = None if t.routed_experts is None else t.routed_experts.array()
         return [Segment(p + c, [False] * len(p) + [True] * len(c), [0.0] * len(p) + list(t.completion_logprobs),
-                        t.routed_experts)]
+                        routing)]
     out: list[Segment] = []
     current: list[Turn] = []
     for turn in t.turns:
@@ -57,7 +62,23 @@ def joined(turns: list[Turn]) -> Segment:
         ids += tokens
         written += [mine] * len(tokens)
         logprobs += list(turn.logprobs or []) if mine else [0.0] * len(tokens)
-    return Segment(ids, written, logprobs)
+    return Segment(ids, written, logprobs, joined_routing(turns))
+
+
+def joined_routing(turns: list[Turn]) -> np.ndarray | None:
+    """The turns' routing records end to end, each padded with UNKNOWN to its turn's
+    length; None when no turn has one."""
+    records = [(len(turn.token_ids or []), turn.routed_experts) for turn in turns]
+    shape = next((r.shape[1:] for _, r in records if r is not None), None)
+    if shape is None:
+        return None
+    out = np.full((sum(n for n, _ in records), *shape), UNKNOWN, dtype=np.int32)
+    start = 0
+    for n, record in records:
+        if record is not None:
+            out[start: start + record.shape[0]] = record.array()
+        start += n
+    return out
 
 
 def written_tokens(t: Trajectory) -> int:
@@ -65,8 +86,9 @@ def written_tokens(t: Trajectory) -> int:
     return sum(sum(s.written) for s in segments(t))
 
 
-def turns_problem(t: Trajectory, vocab_size: int) -> str | None:
+def turns_problem(t: Trajectory, arch: Architecture) -> str | None:
     """Why a multi-turn trajectory's turns cannot be trained on, or None."""
+    vocab_size = arch.vocab_size
     assert t.turns is not None, "a multi-turn trajectory has turns (Trajectory.multi_turn)"
     for i, turn in enumerate(t.turns):
         tokens = turn.token_ids
@@ -79,7 +101,9 @@ def turns_problem(t: Trajectory, vocab_size: int) -> str | None:
             if not all(x <= 0 for x in turn.logprobs):
                 return f"turn {i} ({turn.role}): behaviour logprobs must be at most 0"
     if t.routed_experts is not None:
-        return "routed_experts are recorded for single-turn completions only"
+        return "routed_experts: a multi-turn trajectory records its routing per turn (turns[i].routed_experts)"
+    if bad := misfit(t, arch):
+        return f"{bad[0]}: {bad[1]}"
     for k, segment in enumerate(segments(t)):
         if segment.written[0]:
             return f"segment {k} starts with the policy's own tokens: it needs a context to condition on"

@@ -74,7 +74,7 @@ def collate(samples: list[RewardedSample], pad_id: int, layers: int, top_k: int)
     mask = torch.zeros((R, T - 1))
     behaviour = torch.zeros((R, T - 1))
     routing = None
-    if any(seg.routed_experts for _, seg in rows):
+    if any(seg.routed_experts is not None for _, seg in rows):
         routing = torch.full((layers, R, T, top_k), -1, dtype=torch.long)
     for r, (_, seg) in enumerate(rows):
         n = len(seg.token_ids)
@@ -83,8 +83,8 @@ def collate(samples: list[RewardedSample], pad_id: int, layers: int, top_k: int)
         # Target position j predicts token j+1.
         mask[r, : n - 1] = torch.tensor(seg.written[1:], dtype=torch.float32)
         behaviour[r, : n - 1] = torch.tensor(seg.behaviour_logprobs[1:])
-        if routing is not None and seg.routed_experts:
-            recorded = torch.tensor(seg.routed_experts, dtype=torch.long)  # [tokens, layers, k]
+        if routing is not None and seg.routed_experts is not None:
+            recorded = torch.from_numpy(seg.routed_experts.astype("int64"))  # [tokens, layers, k]
             routing[:, r, : recorded.shape[0]] = recorded.permute(1, 0, 2)
     return Batch(input_ids, attention, mask, behaviour,
                  None if routing is None else routing.reshape(layers, R * T, top_k),
@@ -150,7 +150,7 @@ def problem(sample: RewardedSample, arch: Architecture) -> str | None:
     """Why a sample cannot be trained on, or None: nothing malformed reaches a gradient."""
     t = sample.trajectory
     if t.multi_turn():
-        return turns_problem(t, arch.vocab_size)
+        return turns_problem(t, arch)
     if not t.prompt_token_ids or not t.completion_token_ids:
         if t.turns and any(turn.token_ids for turn in t.turns):
             return "no prompt or completion token ids, and not every turn has the token ids it had in context"

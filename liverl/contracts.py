@@ -6,11 +6,15 @@ as JSON. Producers and consumers import them from here; nothing copies them.
 
 from __future__ import annotations
 
+import base64
+import io
 import math
 import uuid
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
+import numpy as np
+import zstandard
 from pydantic import (
     AwareDatetime,
     BaseModel,
@@ -78,6 +82,70 @@ class SamplingParams(Strict):
     seed: int | None = None
 
 
+# --- Routed experts: the top-k expert ids inference chose, per token and MoE layer ------
+ROUTING_MAX_IDS = 1 << 28  # ids one record may hold (a 128k-token context, 64 layers, top-32)
+ROUTING_DTYPES = {"uint8": np.uint8, "uint16": np.uint16, "int32": np.int32}
+
+
+class RoutedExperts(Strict):
+    """A [tokens, layers, top_k] array of expert ids, compact: the smallest integer type that
+    holds them (uint8 up to 256 experts), C order, zstd-compressed, base64 in JSON.
+
+    Built from a numpy array (`of`), from the `routed_experts` field of vLLM's OpenAI answer
+    (base64 of a `.npy`, what `--enable-return-routed-experts` and liverl's CPU capture
+    return), or from nested lists (an SDK's); any of them validates into this form."""
+
+    shape: tuple[int, int, int] = Field(description="[tokens, MoE layers, top_k].")
+    dtype: Literal["uint8", "uint16", "int32"]
+    zstd: str = Field(description="base64 of the zstd-compressed array bytes.")
+
+    @classmethod
+    def of(cls, ids: Any) -> RoutedExperts:
+        array = np.asarray(ids)
+        if array.ndim != 3 or (array.size and not np.issubdtype(array.dtype, np.integer)):
+            raise ValueError("routed experts must be a [tokens][layers][k] array of integer expert ids")
+        low, high = (int(array.min()), int(array.max())) if array.size else (0, 0)
+        dtype: Literal["uint8", "uint16", "int32"] = (
+            "uint8" if 0 <= low and high < 256 else "uint16" if 0 <= low and high < 65536 else "int32")
+        raw = np.ascontiguousarray(array, dtype=ROUTING_DTYPES[dtype]).tobytes()
+        return cls(shape=array.shape, dtype=dtype,
+                   zstd=base64.b64encode(zstandard.ZstdCompressor(level=3).compress(raw)).decode())
+
+    def array(self) -> np.ndarray:
+        """The ids as a read-only [tokens, layers, k] array of the stored type."""
+        raw = zstandard.ZstdDecompressor().decompress(base64.b64decode(self.zstd), max_output_size=self.nbytes)
+        return np.frombuffer(raw, dtype=ROUTING_DTYPES[self.dtype]).reshape(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * np.dtype(ROUTING_DTYPES[self.dtype]).itemsize
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_any(cls, value: Any) -> Any:
+        if isinstance(value, str):  # vLLM's answer: base64 of np.save's bytes
+            try:
+                array = np.load(io.BytesIO(base64.b64decode(value, validate=True)), allow_pickle=False)
+            except (ValueError, OSError) as error:
+                raise ValueError(f"routed experts: not a base64 .npy array ({error})") from None
+            return cls.of(array).model_dump()
+        if isinstance(value, list):
+            return cls.of(value).model_dump()
+        return value
+
+    @model_validator(mode="after")
+    def _whole(self):
+        if any(n < 0 for n in self.shape) or math.prod(self.shape) > ROUTING_MAX_IDS:
+            raise ValueError(f"routed experts: shape {list(self.shape)} is negative or holds over "
+                             f"{ROUTING_MAX_IDS} ids")
+        try:
+            self.array()
+        except (zstandard.ZstdError, ValueError) as error:
+            raise ValueError(f"routed experts: the data is not a {self.dtype} array of shape "
+                             f"{list(self.shape)} ({error})") from None
+        return self
+
+
 WRITTEN_ROLES = ("assistant", "summary")  # the turns the policy itself wrote (sampled, trained)
 
 
@@ -92,6 +160,9 @@ class Turn(Strict):
                                         "(learner/segments.py); without them turns are a record only.")
     logprobs: list[float] | None = Field(None, description="Behaviour logprob of each token of an assistant "
                                          "or summary turn.")
+    routed_experts: RoutedExperts | None = Field(None, description="The experts inference routed this turn's "
+                                                 "tokens to, [tokens][MoE layer][k], from its first token; "
+                                                 "tokens past its length (or a turn without it) unknown.")
     # A "summary" turn is the policy compressing its own context to continue past its
     # window; the segment it replaces is recorded so the learner can credit both.
     summarizes_turns: list[int] | None = None
@@ -118,8 +189,9 @@ class Trajectory(Strict):
     completion_logprobs: list[float] = Field(
         default_factory=list, description="Behaviour logprob of each sampled token."
     )
-    routed_experts: list[list[list[int]]] | None = Field(
-        None, description="[token][layer][k] expert ids chosen at inference; None if unknown."
+    routed_experts: RoutedExperts | None = Field(
+        None, description="The experts inference routed prompt + completion tokens to, [token][MoE layer][k] "
+        "from the first prompt token (vLLM returns all but the last completion token); None if unknown."
     )
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     finish_reason: str | None = None
@@ -180,14 +252,23 @@ def misfit(t: Trajectory, arch: Architecture) -> tuple[str, str] | None:
         if not all(0 <= i < arch.vocab_size for i in getattr(t, field)):
             return field, f"token ids must be in [0, {arch.vocab_size})"
     if t.routed_experts is not None:
-        tokens = len(t.prompt_token_ids) + len(t.completion_token_ids)
-        if len(t.routed_experts) > tokens or any(
-                len(layers) != arch.layers or any(len(k) != arch.top_k for k in layers)
-                for layers in t.routed_experts):
-            return "routed_experts", (f"must be [token][{arch.layers} layers][{arch.top_k} experts] "
-                                      f"for at most {tokens} tokens")
-        if not all(0 <= e < arch.experts for layers in t.routed_experts for k in layers for e in k):
-            return "routed_experts", f"expert ids must be in [0, {arch.experts})"
+        return routing_misfit(t.routed_experts, len(t.prompt_token_ids) + len(t.completion_token_ids), arch)
+    for i, turn in enumerate(t.turns or []):
+        if turn.routed_experts is not None and (bad := routing_misfit(turn.routed_experts,
+                                                                      len(turn.token_ids or []), arch)):
+            return f"turns.{i}.{bad[0]}", bad[1]
+    return None
+
+
+def routing_misfit(routing: RoutedExperts, tokens: int, arch: Architecture) -> tuple[str, str] | None:
+    """(field, why) when routing recorded for `tokens` tokens cannot belong to `arch`."""
+    rows, layers, k = routing.shape
+    if rows > tokens or layers != arch.layers or k != arch.top_k:
+        return "routed_experts", (f"must be [token][{arch.layers} layers][{arch.top_k} experts] "
+                                  f"for at most {tokens} tokens")
+    ids = routing.array()
+    if ids.size and not (0 <= int(ids.min()) and int(ids.max()) < arch.experts):
+        return "routed_experts", f"expert ids must be in [0, {arch.experts})"
     return None
 
 

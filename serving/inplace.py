@@ -56,6 +56,8 @@ import time
 from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from serving import routing_capture
+
 # A change whose module-complete tensors hold more than this share of the weights'
 # bytes is loaded whole: the partial path would cost about as much and the full one is
 # the reference.
@@ -448,3 +450,9 @@ class InplaceWeightsExtension:
             if hasattr(runner, reset):
                 getattr(runner, reset)()
         return sorted(loaded or ())
+
+
+# Routed-expert capture (serving/routing_capture.py): this module is loaded in the engine-core
+# process before the engine builds its scheduler; the core env imports it without vLLM.
+if routing_capture.wanted():
+    routing_capture.install()

@@ -84,6 +84,9 @@ def replica_env(settings: Settings) -> dict[str, str]:
         VLLM_NO_USAGE_STATS="1",
         HF_HUB_OFFLINE="1",
         TRANSFORMERS_OFFLINE="1",
+        # Every completion returns the experts each MoE layer routed its tokens to
+        # (serving/routing_capture.py): the learner replays them.
+        LIVERL_CAPTURE_ROUTING="1",
     )
     env.pop("VIRTUAL_ENV", None)
     return env

@@ -15,7 +15,7 @@ from test_distributed_learner import sampled
 
 from learner.trainer import Trainer, problem
 from liverl.audit import AuditLog
-from liverl.contracts import Architecture, RewardedSample, Topics
+from liverl.contracts import Architecture, RewardedSample, Topics, Trajectory
 from liverl.kafka import encode, produce_sync
 from liverl.keys import KeyStore, admin_headers
 from liverl.settings import LearnerConfig
@@ -25,12 +25,12 @@ ARCH = Architecture(vocab_size=100, layers=2, experts=4, top_k=2)
 
 
 def bad(sample: RewardedSample, **trajectory) -> RewardedSample:
-    return sample.model_copy(update={"trajectory": sample.trajectory.model_copy(update=trajectory)})
+    """`sample` with its trajectory changed, validated as the learner reads it off the topic."""
+    changed = Trajectory.model_validate({**sample.trajectory.model_dump(), **trajectory})
+    return sample.model_copy(update={"trajectory": changed})
 
 
 def good_sample() -> RewardedSample:
-    from liverl.contracts import Trajectory
-
     t = Trajectory(event_id="t", tenant="acme", completion_id="c", policy_version="v0",
                    prompt_token_ids=[1, 2], completion_token_ids=[3, 4], completion_logprobs=[-1.0, -2.0],
                    routed_experts=[[[0, 1], [2, 3]]] * 4)

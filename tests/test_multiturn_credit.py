@@ -13,9 +13,9 @@ import torch
 import learner.trainer as trainer_module
 from learner import router_replay
 from learner.rl import importance_weights, policy_gradient_loss
-from learner.segments import segments, written_tokens
+from learner.segments import UNKNOWN, segments, written_tokens
 from learner.trainer import Trainer, collate, problem, token_logprobs
-from liverl.contracts import Architecture, RewardedSample, Trajectory, Turn
+from liverl.contracts import Architecture, RewardedSample, RoutedExperts, Trajectory, Turn
 from liverl.settings import LearnerConfig
 
 ARCH = Architecture(vocab_size=100, layers=2, experts=4, top_k=2)
@@ -156,7 +156,38 @@ def test_malformed_turns_never_reach_training():
         assert problem(hand_built(turns=turns), ARCH) is not None, name
     no_context = [Turn(role="assistant", token_ids=[4], logprobs=[-0.1])]
     assert "context" in problem(hand_built(turns=no_context), ARCH)
-    assert "single-turn" in problem(hand_built(routed_experts=[[[0, 1], [2, 3]]]), ARCH)
+    assert "per turn" in problem(hand_built(routed_experts=[[[0, 1], [2, 3]]]), ARCH)
+
+
+def routed(turns: list[Turn], records: dict[int, list]) -> list[Turn]:
+    """`turns` with the routing records given by turn index."""
+    return [t.model_copy(update={"routed_experts": RoutedExperts.of(records[i])}) if i in records else t
+            for i, t in enumerate(turns)]
+
+
+def test_routing_recorded_per_turn_is_replayed_per_segment():
+    """Each turn's routing lands on its own tokens in its segment's row; a turn without a
+    record, and a record that stops short of its turn's end, leave UNKNOWN (recomputed)."""
+    turns = routed(hand_built().trajectory.turns, {
+        0: [[[0, 1], [1, 2]]] * 3, 1: [[[2, 3], [3, 0]]] * 2, 3: [[[1, 3], [0, 2]]],
+        6: [[[3, 2], [2, 1]]] * 6, 7: [[[0, 2], [1, 3]]]})  # the last token's record is missing
+    sample = hand_built(turns=turns)
+    assert problem(sample, ARCH) is None
+    first, second = segments(sample.trajectory)
+    assert first.routed_experts[:, 0, 0].tolist() == [0, 0, 0, 2, 2, UNKNOWN, 1, UNKNOWN, UNKNOWN, UNKNOWN]
+    assert second.routed_experts[:, 1].tolist() == [[2, 1]] * 6 + [[1, 3], [UNKNOWN] * 2]
+    batch = collate([sample], pad_id=0, layers=2, top_k=2)
+    assert batch.routing is not None and batch.routing.shape == (2, 2 * 10, 2)
+    assert batch.routing[1, 10:18].tolist() == second.routed_experts[:, 1].tolist()
+    assert (batch.routing[:, 18:] == UNKNOWN).all()  # the second row's padding
+
+
+def test_routing_that_cannot_belong_to_the_policy_is_refused_per_turn():
+    turns = hand_built().trajectory.turns
+    too_long = routed(turns, {1: [[[0, 1], [2, 3]]] * 3})  # the turn has 2 tokens
+    assert "turns.1.routed_experts" in problem(hand_built(turns=too_long), ARCH)
+    out_of_range = routed(turns, {3: [[[0, 4], [2, 3]]]})
+    assert "expert ids" in problem(hand_built(turns=out_of_range), ARCH)
 
 
 def test_turns_without_token_ids_are_a_record_and_the_completion_trains():
