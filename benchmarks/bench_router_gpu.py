@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -449,6 +450,8 @@ def main(device: str = "cuda", layers: int = 8, experts: int = 128, top_k: int =
     # The deterministic child: the same model and work at the first router scale.
     argv = [a for k, v in {**asdict(shape), **asdict(work), "router_std": router_std[0], "device": device}.items()
             for a in (f"--{k.replace('_', '-')}", str(v))]
+    # `timeout`'s TERM as an exception, so subprocess.run kills the deterministic child too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     dev = torch.device(device)
     # The learner computes in true fp32 (no TF32), as learner/ does on a GPU.
     torch.backends.cuda.matmul.allow_tf32 = False
