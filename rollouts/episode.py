@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 
-from liverl.contracts import WRITTEN_ROLES, Turn
+from liverl.contracts import WRITTEN_ROLES, RoutedExperts, Turn
 from liverl.pool import SERVED_MODEL_NAME
 from liverl.settings import RolloutsConfig
 from rollouts.environment import MultiTurnEnvironment, Task
@@ -77,7 +77,23 @@ async def generate(client: httpx.AsyncClient, context: list[int], max_tokens: in
     if choice.get("finish_reason") == "abort":
         raise Cut("aborted")
     return {"text": choice.get("text") or "", "token_ids": choice.get("token_ids") or [],
-            "logprobs": [lp for lp in (choice.get("logprobs") or {}).get("token_logprobs") or [] if lp is not None]}
+            "logprobs": [lp for lp in (choice.get("logprobs") or {}).get("token_logprobs") or [] if lp is not None],
+            "routing": choice.get("routed_experts")}
+
+
+def with_routing(turns: list[Turn], start: int, routing: str | None) -> list[Turn]:
+    """`turns`, those of the segment from `start` given the routing the replica returned with
+    the segment's latest completion: it covers the segment from its first token (the prefix
+    cache keeps each block's routing as it was computed), each turn takes its tokens' rows."""
+    if routing is None:
+        return turns
+    rows = RoutedExperts.model_validate(routing).array()
+    out, at = turns[:start], 0
+    for turn in turns[start:]:
+        mine = rows[at: at + len(turn.token_ids or [])]
+        out.append(turn.model_copy(update={"routed_experts": RoutedExperts.of(mine)}) if len(mine) else turn)
+        at += len(turn.token_ids or [])
+    return out
 
 
 @dataclass
@@ -127,6 +143,7 @@ async def play(client: httpx.AsyncClient, environment: MultiTurnEnvironment, tas
             turns.append(Turn(role="summary", content=written["text"], token_ids=written["token_ids"],
                               logprobs=written["logprobs"],
                               summarizes_turns=list(range(segment_start, len(turns) - 1))))
+            turns = with_routing(turns, segment_start, written["routing"])
             context = resume_before + written["token_ids"] + resume_after
             segment_start = len(turns)
             turns.append(Turn(role="user", content=before + written["text"] + after, token_ids=list(context)))
@@ -146,4 +163,4 @@ async def play(client: httpx.AsyncClient, environment: MultiTurnEnvironment, tas
         if tokens := (await tokenize(client, reply))[: max(0, limit - len(context) - summary_room)]:
             turns.append(Turn(role="tool", content=reply, token_ids=tokens))
             context += tokens
-    return Episode(turns, attempts[-1], summaries)
+    return Episode(with_routing(turns, segment_start, written["routing"]), attempts[-1], summaries)

@@ -165,3 +165,23 @@ def test_routing_is_stored_compactly():
     assert len(record.model_dump_json()) / 400 < 6 * 1.1 + 1  # under a raw uint8 byte per id, base64 and all
     with pytest.raises(ValueError, match="not a uint8 array"):
         RoutedExperts(shape=(401, 3, 2), dtype="uint8", zstd=record.zstd)
+
+
+def test_a_multi_turn_episode_gives_each_turn_its_rows_of_the_segments_routing():
+    """An episode's segment is sent whole with each turn; the routing its latest completion
+    returned (vLLM's .npy, all but the last token) is split over the segment's turns, and the
+    learner's segment gets it back end to end."""
+    from learner.segments import UNKNOWN, segments
+    from liverl.contracts import Trajectory, Turn
+    from rollouts.episode import with_routing
+
+    turns = [Turn(role="user", token_ids=[1, 2, 3]), Turn(role="assistant", token_ids=[4, 5], logprobs=[-1.0] * 2),
+             Turn(role="tool", token_ids=[6]), Turn(role="assistant", token_ids=[7, 8], logprobs=[-1.0] * 2)]
+    rows = np.arange(7 * 3 * 2, dtype=np.uint8).reshape(7, 3, 2)  # 8 tokens: the last was never read
+    answer = io.BytesIO()
+    np.save(answer, rows)
+    routed = with_routing(turns, 0, base64.b64encode(answer.getvalue()).decode())
+    assert [t.routed_experts.shape[0] for t in routed] == [3, 2, 1, 1]
+    t = Trajectory(event_id="e", tenant="t", completion_id="c", policy_version="v0", turns=routed)
+    (segment,) = segments(t)
+    assert np.array_equal(segment.routed_experts[:7], rows) and (segment.routed_experts[7] == UNKNOWN).all()
