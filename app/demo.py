@@ -42,7 +42,7 @@ from liverl.contracts import CapacityEvent
 from liverl.keys import admin_headers
 from liverl.settings import Settings, settings_with_defaults
 from policies.registry import HELDOUT_REGRESSION, Registry
-from promotion.sequential import wilson
+from promotion.sequential import compare_skill, wilson
 
 VERSION_SQL = """SELECT policy_version, sum(samples) AS n,
     round(sum(reward_sum) / n, 3) AS mean_reward,
@@ -239,7 +239,7 @@ def plot(tallies: dict[str, Tally], out_dir: Path, day: dict | None = None) -> t
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3 if day else 2, figsize=(19 if day else 13, 4.5))
+    fig, axes = plt.subplots(1, 4 if day else 2, figsize=(25 if day else 13, 4.5))
     by_time, by_events = axes[:2]
     for _, t in sorted(tallies.items(), key=lambda kv: int(kv[0][1:])):
         if not t.log:
@@ -264,6 +264,7 @@ def plot(tallies: dict[str, Tally], out_dir: Path, day: dict | None = None) -> t
         ax.grid(alpha=0.3)
     if day:
         day_panel(axes[2], day)
+        skill_panel(axes[3], day)
     fig.tight_layout()
     out_dir.mkdir(parents=True, exist_ok=True)
     png, html = out_dir / "accept_rate.png", out_dir / "accept_rate.html"
@@ -294,6 +295,27 @@ def day_panel(ax, day: dict) -> None:
     rates.set_ylabel("held-out pass rate (greedy)")
     handles = ax.get_legend_handles_labels()[0] + rates.get_legend_handles_labels()[0]
     ax.legend(handles=handles, loc="upper left", fontsize=8)
+
+
+def skill_panel(ax, day: dict) -> None:
+    """Per stable version, in the order it became stable: production's accept rate and the
+    held-out pass rate side by side; the candidates the skill guard held, as crosses at
+    their held-out pass rate between the stables around them."""
+    rows = day.get("stable_skill") or []
+    x = range(len(rows))
+    ax.plot(x, [r["accept_rate"] if r["accept_rate"] is not None else float("nan") for r in rows], "o-",
+            color="tab:blue", label="production accept rate")
+    ax.plot(x, [r["heldout_pass_rate"] if r["heldout_pass_rate"] is not None else float("nan") for r in rows],
+            "s-", color="tab:purple", label="held-out pass rate")
+    seqs = [int(r["version"][1:]) for r in rows]
+    held = day.get("held_for_skill") or []
+    ax.plot([sum(s < int(h["version"][1:]) for s in seqs) - 0.5 for h in held], [h["pass_rate"] for h in held],
+            "x", color="tab:red", markersize=8, label=f"held for skill ({len(held)})")
+    ax.set_xticks(list(x), [r["version"] for r in rows], rotation=90, fontsize=6)
+    ax.set_ylim(0, 1)
+    ax.set_title("Each stable version: production and held-out skill")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="center right", fontsize=8)
 
 
 def lent_intervals(events: list[CapacityEvent], started: float, end_s: float) -> list[tuple[float, float, str]]:
@@ -467,6 +489,60 @@ def heldout_regressions(settings: Settings) -> list[dict]:
             for event in Registry(settings.policies_dir).history() if event["to"] == HELDOUT_REGRESSION]
 
 
+def stable_skill(settings: Settings, per_version: list[dict], tasks: int) -> list[dict]:
+    """Per version that was stable, in the order it became stable: when (seconds since the
+    first stable), production's accept rate (ClickHouse's, what users judged) and the
+    held-out pass rate the evaluator recorded on the day's `tasks` tasks, side by side;
+    `below_starter` is the held-out watch's test against the starter (the exact sign test
+    on the same tasks at `promotion.false_abort_rate`, by more than `heldout_margin`)."""
+    from rollouts.coding import CodingEnvironment
+    from rollouts.evaluate import task_set
+
+    these = task_set(CodingEnvironment(levels=settings.rollouts.levels).heldout(tasks))
+    registry, config = Registry(settings.policies_dir), settings.promotion
+    accept = {row["policy_version"]: row for row in per_version}
+    became: dict[str, float] = {}
+    for event in registry.history():
+        if event["to"] == "stable":
+            became.setdefault(event["version"], event["at"])
+    first = min(became.values(), default=0.0)
+    starter = (registry.versions()[0].metrics.get("heldout") or {}) if became else {}
+    rows = []
+    for version, at in sorted(became.items(), key=lambda kv: kv[1]):
+        figures = registry.get(version).metrics.get("heldout") or {}
+        scored = figures.get("task_set") == these
+        below = scored and starter.get("task_set") == these and compare_skill(
+            "coding", "v0", starter["solved"], figures["solved"], margin=config.heldout_margin,
+            level=config.false_abort_rate).lost_skill
+        rows.append({"version": version, "stable_at_s": round(at - first, 1),
+                     "accept_rate": accept.get(version, {}).get("accept_rate"),
+                     "served": int(accept.get(version, {}).get("n", 0)),
+                     "heldout_pass_rate": figures["pass_rate"] if scored else None, "below_starter": below})
+    return rows
+
+
+def held_for_skill(settings: Settings) -> list[dict]:
+    """Candidates the skill guard held before their canary, with its verdict."""
+    registry = Registry(settings.policies_dir)
+    held = [v for v in registry.versions() if (v.metrics.get("skill") or {}).get("verdict") == "held"]
+    return [{"version": v.version, "pass_rate": v.metrics["heldout"]["pass_rate"],
+             "reason": next((e["reason"] for e in registry.history(v.version) if e["to"] == "rejected"), "")}
+            for v in held]
+
+
+def skill_guard_cost(settings: Settings) -> dict:
+    """What judging skill before each canary cost: the evaluator's seconds per evaluation and
+    the seconds each candidate waited for its figures (medians and maxima), and the verdicts."""
+    versions = Registry(settings.policies_dir).versions()
+    seconds = [v.metrics["heldout"]["seconds"] for v in versions if "seconds" in (v.metrics.get("heldout") or {})]
+    judged = [v.metrics["skill"] for v in versions if "waited_s" in (v.metrics.get("skill") or {})]
+    waited = [s["waited_s"] for s in judged]
+    return {"evaluations": len(seconds), "evaluation_s": {"median": statistics.median(seconds) if seconds else None,
+                                                           "max": max(seconds, default=None)},
+            "judged": len(judged), "held": sum(s["verdict"] == "held" for s in judged),
+            "waited_s": {"median": statistics.median(waited) if waited else None, "max": max(waited, default=None)}}
+
+
 def stable_regressions(settings: Settings, per_version: list[dict], min_served: int = 200,
                        drop: float = 0.10) -> list[dict]:
     """Versions that reached stable serving clearly worse than the stable they replaced
@@ -527,6 +603,8 @@ def run_demo(settings: Settings, minutes: float, users: int, seed: int, max_toke
     from app.stack import up
 
     launched = time.time()
+    if day_minutes is not None:  # the evaluator and the skill guard on the tasks the summary reports
+        settings.rollouts.heldout_tasks = heldout
     console.print("[bold]starting the embedded stack[/bold]")
     up(settings, say=console.print)
     stopping = threading.Event()
@@ -639,6 +717,12 @@ def results(settings: Settings, pop: Population, status: dict[str, dict], active
         day["heldout_regressions"] = heldout_regressions(settings)
         if day["heldout_regressions"]:
             print_rows(day["heldout_regressions"], "stable versions that lost held-out skill (held-out watch)")
+        day["stable_skill"] = stable_skill(settings, per_version, settings.rollouts.heldout_tasks)
+        day["held_for_skill"] = held_for_skill(settings)
+        day["skill_guard"] = skill_guard_cost(settings)
+        print_rows(day["stable_skill"], "each stable version: production accept and held-out pass rate")
+        if day["held_for_skill"]:
+            print_rows(day["held_for_skill"], "candidates held for skill (the skill guard)")
     result["learning_curve"] = learning_curve(pop.tallies)[::25]
     result["clickhouse"] = per_version
     return result, day

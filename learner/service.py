@@ -37,6 +37,7 @@ from prometheus_client import Counter, Gauge
 from pydantic import ValidationError
 
 from learner import distributed
+from learner.mix import ReplayBuffer
 from learner.trainer import Trainer, problem
 from liverl.contracts import DeadLetter, RewardedSample, Topics
 from liverl.faults import crash_point
@@ -161,6 +162,7 @@ class Learner:
         self.dropped = {"stale": 0, "consent": 0, "malformed": 0, "already_trained": 0, "untrainable": 0,
                         "incomplete_group": 0, "uniform_group": 0}
         self.open_groups: dict[str, OpenGroup] = {}
+        self.replay = ReplayBuffer(self.config.replay_buffer)  # rollout groups trained, for replay_groups
         self.next_offsets: dict[TopicPartition, int] = {}
         self.window_started = time.time()
         self.cluster_id = settings.broker_cluster_id or "external"
@@ -358,11 +360,16 @@ class Learner:
                        key=lambda s: s.sample_id)
         train = [s for s in batch if not held_out(s, self.config.holdout_fraction)]
         self.holdout = (self.holdout + [s for s in batch if held_out(s, self.config.holdout_fraction)])[-512:]
+        # Replayed groups train, and are not learned again in the registry's record (learner/mix.py).
+        replayed = self.replay.take(self.config.replay_groups - len(chosen)) if self.pending else []
+        self.replay.remember([s for s in g.members.values() if not held_out(s, self.config.holdout_fraction)]
+                             for g in chosen if not g.uniform)
         if self.config.kl_coef > 0 and self.config.kl_reference == "stable":
             self.trainer.use_reference(Path(self.stable().model_dir))
         started = time.time()
-        metrics = self.trainer.train(train or batch, seed=self.current.seq)
+        metrics = self.trainer.train((train or batch) + replayed, seed=self.current.seq)
         crash_point("learner.after_train")
+        metrics["replayed_samples"] = len(replayed)
         metrics["train_seconds"] = time.time() - started
         metrics["tokens_per_second"] = metrics["tokens"] * self.config.epochs / max(metrics["train_seconds"], 1e-9)
         for sample in batch:  # each poison pill is dead-lettered once, counted in this version

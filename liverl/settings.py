@@ -315,6 +315,10 @@ class LearnerConfig(Config):
     rollout_share: Fraction | None = Field(None, description="Most share of a version's samples from rollout "
                                            "groups while production samples wait too (whole groups, oldest first; "
                                            "the rest wait); None: every complete group. Alone, rollouts train alone.")
+    replay_groups: int = Field(0, ge=0, description="Rollout groups already trained that a version with production "
+                               "samples trains again, less the fresh groups it takes (lending comes in troughs; "
+                               "production alone trains away what rollouts taught: docs/learning.md); 0: none.")
+    replay_buffer: int = Field(64, ge=1, description="Most recent trained rollout groups kept for replay_groups.")
     group_timeout_s: float = Field(900.0, gt=0, description="A sized group (rollouts) still incomplete after "
                                    "this long is given up, its members counted as dropped, never half-trained.")
     max_lead_versions: int | None = Field(
@@ -444,6 +448,14 @@ class PromotionConfig(Config):
                                 "guard (production only) cannot see.")
     heldout_margin: Fraction = Field(0.05, description="How far a stable version's held-out pass rate may fall "
                                      "below the best earlier one's before the held-out watch alerts.")
+    skill_guard: bool = Field(True, description="Before its canary, judge a candidate on each held-out evaluation "
+                              "(the evaluator's: rollouts.heldout_every_s) against the starter and stable, task by "
+                              "task; one that surely lost skill is held (rejected, the learner rewinds).")
+    skill_margin: Fraction = Field(0.05, description="How far a candidate's held-out pass rate may fall below the "
+                                   "starter's or stable's before the skill guard may hold it.")
+    skill_false_hold_rate: float = Field(0.05, gt=0, lt=0.5, description="Level of the skill guard's exact sign "
+                                         "test against each reference: the chance of holding a candidate that "
+                                         "lost nothing to it.")
     tenant_min_samples: int = Field(100, ge=10, description="Judged completions per arm before one tenant's "
                                     "traffic is compared on its own (fewer: it counts in the total only).")
     error_check: bool = Field(True, description="A canary whose server-error rate is surely above stable's "
@@ -538,6 +550,8 @@ class RolloutsConfig(Config):
                                           "day sets 60 s).")
     heldout_tasks: int = Field(50, ge=1, description="Held-out tasks each evaluation scores (the same ones "
                                "every time).")
+    heldout_poll_s: float = Field(1.0, gt=0, description="How often the evaluator looks for a candidate the "
+                                  "promotion controller's skill guard waits on (scored before its canary).")
 
 
 CONFIG_FILE_VARIABLE = "LIVERL_CONFIG_FILE"

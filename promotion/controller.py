@@ -13,6 +13,10 @@ never waits for a canary and a learner restart never interrupts one.
   sooner, when at the rate its intervals narrow it would still have no verdict then):
   the newer one takes its place. Neither by `max_samples` or `max_canary_s`: aborted as
   inconclusive.
+- The skill guard: before its canary, a candidate is judged on each held-out evaluation
+  (the evaluator's figures, task by task) against the starter and stable; one that surely
+  lost skill is held (rejected, the learner asked to rewind), since users' feedback cannot
+  show it and a version users like may still have forgotten what rollouts taught.
 - The slide guard: small steps can add up to a decline no single comparison calls
   significant. Stable's served accept rate is compared with that of each of the last
   `slide_lookback` stables over their own time as stable; when it is surely more than
@@ -44,7 +48,15 @@ from liverl.pool import promotion_lock, read_pool
 from liverl.settings import Settings
 from policies.registry import HELDOUT_REGRESSION, Pin, PolicyVersion, Registry
 from promotion.promoter import Promoter
-from promotion.sequential import Arm, Comparison, compare, confidence_sequence, paired_loss_p, verdict_in_sight
+from promotion.sequential import (
+    Arm,
+    Comparison,
+    SkillComparison,
+    compare,
+    compare_skill,
+    confidence_sequence,
+    verdict_in_sight,
+)
 from serving.swap import restore_abandoned, stop_abandoned_engines
 from sync.replica import ReplicaSync
 
@@ -237,13 +249,16 @@ class Controller:
             if bad := self.registry.continues_rejected(candidate.version):
                 self.promoter.transition(candidate.version, "rejected", ACTOR,
                                          f"trained on top of {bad}, which was taken off users")
+            elif held := self.continues_held(candidate.version):
+                self.promoter.transition(candidate.version, "rejected", ACTOR,
+                                         f"trained on top of {held}, held for skill")
             elif stable is None or candidate.seq > stable.seq:
                 eligible.append(candidate)
         if not eligible:
             self.state = "idle"
             return
-        newest = eligible[-1]
-        for older in eligible[:-1]:  # only the newest candidate is worth a canary
+        newest = self.skill_scored(eligible) or eligible[-1]
+        for older in [c for c in eligible if c.seq < newest.seq]:  # only the newest is worth a canary
             self.promoter.transition(older.version, "superseded", ACTOR, f"{newest.version} is newer")
         gate = newest.metrics.get("gate")
         if not gate or not gate["passed"]:
@@ -252,6 +267,8 @@ class Controller:
                 log(logger, "candidate waits", version=newest.version,
                     reason=gate["reason"] if gate else "no held-out samples yet")
             self.state = f"{newest.version} waits for the offline gate"
+            return
+        if stable is not None and not self.skill_passed(newest, stable):
             return
         thin_traffic_waits = self.quiet is not None or self.config.quiet_requests_per_s > 0
         if thin_traffic_waits and self.config.canary_guard and not self.production_traffic():
@@ -317,6 +334,8 @@ class Controller:
                 self.take_candidate()
             else:
                 self.stage_ahead(canary)
+                if newer := self.newer_candidate(canary):  # its held-out figures ready for the verdict
+                    self.ask_for_skill(newer)
             return
         self.conclude(canary, stable, look, pin)
 
@@ -479,6 +498,89 @@ class Controller:
                         min_samples=c.tenant_min_samples)
                 for tenant in eligible]
 
+    # --- the skill guard -----------------------------------------------------------------------
+    def evaluator_answers(self) -> bool:
+        """Whether the held-out evaluator runs: only then is there skill evidence to wait for."""
+        if not self.config.skill_guard or self.settings.rollouts.heldout_every_s is None:
+            return False
+        try:
+            return self.http.get(self.settings.url(self.settings.ports.evaluator) + "/health", timeout=2).is_success
+        except httpx.HTTPError:
+            return False
+
+    def ask_for_skill(self, candidate: PolicyVersion) -> None:
+        """Ask the evaluator for the candidate's held-out figures (it scores those first)."""
+        if "skill" not in candidate.metrics and self.evaluator_answers():
+            self.registry.update_metrics(candidate.version, skill={"verdict": "waiting", "asked_at": time.time()})
+
+    def skill_scored(self, eligible: list[PolicyVersion]) -> PolicyVersion | None:
+        """While the evaluator runs: the newest candidate that passed the offline gate and has
+        its held-out figures, while the newest of all is asked for (a learner that writes a
+        version while one is scored would otherwise never leave one ready); None if none."""
+        passed = [c for c in eligible if (c.metrics.get("gate") or {}).get("passed")]
+        if not passed or not self.evaluator_answers():
+            return None
+        self.ask_for_skill(passed[-1])
+        scored = [c for c in passed if "heldout" in c.metrics]
+        return scored[-1] if scored else None
+
+    def skill_references(self, stable: PolicyVersion, figures: dict) -> list[tuple[str, dict]] | None:
+        """The versions a candidate must not have lost skill against, with their figures on
+        the same tasks: the starter (the skill before any learning) and stable (what it
+        replaces). None while stable is not scored yet (the evaluator scores it first)."""
+        if "heldout" not in stable.metrics:
+            return None
+        starter = self.registry.versions()[0]
+        versions = [starter, stable] if starter.seq != stable.seq else [stable]
+        return [(v.version, v.metrics["heldout"]) for v in versions
+                if (v.metrics.get("heldout") or {}).get("task_set") == figures["task_set"]]
+
+    def skill_passed(self, candidate: PolicyVersion, stable: PolicyVersion) -> bool:
+        """The skill guard's verdict on the candidate before its canary: True to go on. Its
+        figures are waited for while the evaluator runs (no evaluator: no evidence, no
+        verdict); surely lost against a reference (`compare_skill`), it is held."""
+        if not self.evaluator_answers():
+            return True
+        figures = candidate.metrics.get("heldout")
+        asked = candidate.metrics.get("skill") or {}
+        references = self.skill_references(stable, figures) if figures else None
+        if figures is None or references is None:
+            self.ask_for_skill(candidate)
+            self.state = f"{candidate.version} waits for its held-out evaluation (the skill guard)"
+            return False
+        comparisons = [compare_skill(figures.get("evaluation", "held-out"), version, reference["solved"],
+                                     figures["solved"], margin=self.config.skill_margin,
+                                     level=self.config.skill_false_hold_rate)
+                       for version, reference in references]
+        lost = [c for c in comparisons if c.lost_skill]
+        self.registry.update_metrics(candidate.version, skill={
+            "verdict": "held" if lost else "non_inferior", "comparisons": [c.model_dump() for c in comparisons],
+            "waited_s": round(time.time() - asked.get("asked_at", time.time()), 2)})
+        if lost:
+            self.hold_for_skill(candidate, stable, lost)
+        return not lost
+
+    def hold_for_skill(self, candidate: PolicyVersion, stable: PolicyVersion, lost: list[SkillComparison]) -> None:
+        """A candidate that lost skill never reaches users: rejected with the figures, on-call
+        told, and the learner rewinds to stable as after an abort."""
+        reason = "held for skill: " + "; ".join(f"{c.text()}: more than {c.margin} below" for c in lost)
+        log(logger, "candidate held for skill", version=candidate.version, reason=reason)
+        self.promoter.transition(candidate.version, "rejected", ACTOR, reason)
+        self.registry.request_rewind(stable.version, ACTOR, f"{candidate.version} {reason}")
+        self.alert("candidate_held_for_skill", candidate.version, reason, comparisons=[c.model_dump() for c in lost])
+        self.state = f"{candidate.version} {reason}"
+
+    def continues_held(self, version: str) -> str | None:
+        """The version held for skill that `version` was trained on top of, or None."""
+        stable = self.registry.stable()
+        current: str | None = self.registry.get(version).parent
+        while current is not None and (stable is None or current != stable.version):
+            record = self.registry.get(current)
+            if (record.metrics.get("skill") or {}).get("verdict") == "held":
+                return current
+            current = record.parent
+        return None
+
     # --- the slide guard -----------------------------------------------------------------------
     def stable_periods(self) -> list[tuple[str, float, float]]:
         """(version, from, to) for each time a version was stable, oldest first."""
@@ -547,21 +649,17 @@ class Controller:
         if not same_tasks:
             return
         best, best_figures = max(same_tasks, key=lambda vf: vf[1]["pass_rate"])
-        pairs = list(zip(best_figures["solved"], figures["solved"], strict=False))  # one task set: as long
-        lost, gained = pairs.count(("1", "0")), pairs.count(("0", "1"))
-        p = paired_loss_p(lost, gained)
-        level = self.config.false_abort_rate / len(same_tasks)  # the best of several: Bonferroni
-        regressed = best_figures["pass_rate"] - figures["pass_rate"] > self.config.heldout_margin and p < level
+        # The best of several: Bonferroni.
+        c = compare_skill(figures.get("evaluation", "held-out"), best, best_figures["solved"], figures["solved"],
+                          margin=self.config.heldout_margin, level=self.config.false_abort_rate / len(same_tasks))
         # A restarted controller looks at the latest again: recorded already, it is the same spell.
         recorded = any(e["to"] == HELDOUT_REGRESSION for e in self.registry.history(version))
-        if regressed and not recorded:
-            reason = (f"held-out pass rate {figures['pass_rate']:.3f} against {best}'s "
-                      f"{best_figures['pass_rate']:.3f} on the same {len(pairs)} tasks ({lost} lost, "
-                      f"{gained} gained; p {p:.2g} < {level:.2g}): more than {self.config.heldout_margin} below")
+        if c.lost_skill and not recorded:
+            reason = f"{c.text()}: more than {c.margin} below"
             self.registry.record_event(version, HELDOUT_REGRESSION, ACTOR, reason)
             if not self.heldout_regressed:
-                self.alert(HELDOUT_REGRESSION, version, reason, best=best, lost=lost, gained=gained)
-        self.heldout_regressed = regressed or recorded
+                self.alert(HELDOUT_REGRESSION, version, reason, best=best, lost=c.lost, gained=c.gained)
+        self.heldout_regressed = c.lost_skill or recorded
 
     def run(self, stop: threading.Event) -> None:
         while not stop.is_set():

@@ -46,6 +46,13 @@ SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
 templates = Jinja2Templates(directory=HERE / "templates")
 
 
+def skill_cell(metrics: dict) -> str:
+    """A version's held-out pass rate and the skill guard's verdict, e.g. "0.235 non_inferior"."""
+    figures, verdict = metrics.get("heldout") or {}, (metrics.get("skill") or {}).get("verdict", "")
+    rate = f"{figures['pass_rate']:.3f}" if "pass_rate" in figures else ""
+    return f"{rate} {verdict}".strip()
+
+
 def session_secret(settings: Settings) -> bytes:
     """The key that signs session cookies: made once per deployment, kept 0600 beside the
     key store, so sessions survive a controller restart."""
@@ -185,7 +192,7 @@ def page_state(controller: ControllerView, audit: AuditLog) -> dict:
                        "pinned": pin.model_dump(mode="json") if pin else None},
         "versions": [{"version": v.version, "state": v.state, "parent": v.parent, "created_at": v.created_at,
                       "gate": (v.metrics.get("gate") or {}).get("passed"),
-                      "verdict": (v.metrics.get("canary") or {}).get("verdict")}
+                      "verdict": (v.metrics.get("canary") or {}).get("verdict"), "skill": skill_cell(v.metrics)}
                      for v in registry.versions()[-30:][::-1]],
         "serving": {"aliases": pool.aliases, "canary_share": settings.serving.canary_share,
                     "replicas": [{"name": r.name, "version": r.policy_version, "enabled": r.enabled,

@@ -193,3 +193,44 @@ def paired_loss_p(lost: int, gained: int) -> float:
     nothing about the difference and do not count."""
     n = lost + gained
     return sum(math.comb(n, k) for k in range(lost, n + 1)) / 2 ** n
+
+
+class SkillComparison(BaseModel):
+    """A version's held-out figures against a reference's on the same tasks, task by task:
+    the skill guard's verdict before a canary and the held-out watch's on a stable."""
+
+    evaluation: str = Field(description="The held-out evaluation (the environment's name).")
+    reference: str = Field(description="The version compared with.")
+    tasks: int
+    pass_rate: float = Field(description="The version's held-out pass rate.")
+    reference_pass_rate: float
+    lost: int = Field(description="Tasks only the reference solves.")
+    gained: int = Field(description="Tasks only the version solves.")
+    p: float = Field(description="One-sided exact sign test: the chance of losing at least `lost` by luck.")
+    level: float = Field(description="What p must be under to call it a loss (the error rate, split when the "
+                         "best of several references is compared).")
+    margin: float
+    lost_skill: bool = Field(description="Surely below the reference, and by more than the margin.")
+
+    def text(self) -> str:
+        return (f"{self.evaluation}: held-out pass rate {self.pass_rate:.3f} against {self.reference}'s "
+                f"{self.reference_pass_rate:.3f} on the same {self.tasks} tasks ({self.lost} lost, {self.gained} "
+                f"gained; p {self.p:.2g} {'<' if self.p < self.level else '>='} {self.level:.2g})")
+
+
+def compare_skill(evaluation: str, reference: str, reference_solved: str, solved: str, *, margin: float,
+                  level: float) -> SkillComparison:
+    """`solved` against `reference_solved` (strings of 0s and 1s on the same tasks): lost
+    when the exact sign test on the tasks exactly one solves says the version is below by
+    more than luck (`paired_loss_p` < `level`) and its pass rate is more than `margin` under
+    the reference's. Tasks both or neither solve carry no evidence and do not count."""
+    if len(solved) != len(reference_solved):
+        raise ValueError(f"{evaluation}: {len(solved)} tasks against {reference}'s {len(reference_solved)}: "
+                         "figures on different task sets do not compare")
+    pairs = list(zip(reference_solved, solved, strict=True))
+    lost, gained = pairs.count(("1", "0")), pairs.count(("0", "1"))
+    rate, reference_rate = solved.count("1") / len(solved), reference_solved.count("1") / len(solved)
+    p = paired_loss_p(lost, gained)
+    return SkillComparison(evaluation=evaluation, reference=reference, tasks=len(solved), pass_rate=rate,
+                           reference_pass_rate=reference_rate, lost=lost, gained=gained, p=p, level=level,
+                           margin=margin, lost_skill=reference_rate - rate > margin and p < level)

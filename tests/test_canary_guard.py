@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import signal
+import sys
 import threading
 import uuid
 from pathlib import Path
@@ -201,17 +202,66 @@ def test_a_canary_worse_for_one_tenant_only_is_held_and_its_history_names_the_te
     wait_for(lambda: controller_idle(settings), timeout=60)
 
 
-def test_a_canary_as_good_as_stable_is_promoted_by_the_guard(settings, stack, dev_keys, paused_learner):
+def lose_skill(stable_dir: Path, out: Path) -> None:
+    """A candidate trained to lose held-out skill: production feedback only, with a large
+    step (users accept `pass` and reject an expression), from stable's weights."""
+    import random
+
+    from app.demo import make_prompt
+    from learner.trainer import Trainer
+    from liverl.contracts import RewardedSample, Trajectory
+    from liverl.settings import LearnerConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(stable_dir)
+    trainer = Trainer(stable_dir, LearnerConfig(lr=0.05, max_steps_per_version=6))
+    samples = []
+    for i in range(32):
+        prompt, text = tokenizer.encode(make_prompt(random.Random(i))), " pass\n" if i % 2 else " a + 1\n"
+        completion = tokenizer.encode(text)
+        trajectory = Trajectory(event_id=f"t{i}", tenant="dev", completion_id=f"c{i}", policy_version="v0",
+                                prompt_token_ids=prompt, completion_token_ids=completion,
+                                completion_logprobs=[-1.0] * len(completion))
+        samples.append(RewardedSample(sample_id=f"s{i}", event_id=f"r{i}", tenant="dev", reward=float(i % 2),
+                                      reward_source="feedback", reward_fn_version="test", accepted=bool(i % 2),
+                                      trajectory=trajectory))
+    trainer.train(samples)
+    trainer.export(out)
+
+
+def test_the_guard_holds_a_candidate_that_lost_skill_and_promotes_one_as_good_on_both(
+        settings, stack, dev_keys, paused_learner):
+    """The held-out evaluator (the real one, started here) scores each candidate before its
+    canary: one trained to lose the coding skill is held with a skill verdict and never
+    serves, the learner asked to rewind; one with stable's weights passes both guards."""
     from test_operations import publish_copy
 
+    from app.stack import child_env
+    from liverl.process import spawn, stop_pid
+
     registry = Registry(settings.policies_dir)
+    skill = {"LIVERL_ROLLOUTS__HELDOUT_EVERY_S": "600", "LIVERL_ROLLOUTS__HELDOUT_TASKS": "50",
+             "LIVERL_ROLLOUTS__LEVELS": "[1, 2]", "LIVERL_PORTS__EVALUATOR": str(settings.ports.gateway + 20)}
+    evaluator = spawn([sys.executable, "-m", "rollouts.evaluator"], dict(child_env(settings), **skill),
+                      settings.run_dir / "evaluator-test.log")
     restart_component(settings, "controller", {
         "LIVERL_PROMOTION__CANARY_GUARD": "true", "LIVERL_PROMOTION__JUDGE_AFTER_S": "0",
-        "LIVERL_PROMOTION__MIN_SAMPLES": "30", "LIVERL_PROMOTION__POLL_S": "0.5"})
+        "LIVERL_PROMOTION__MIN_SAMPLES": "30", "LIVERL_PROMOTION__POLL_S": "0.5", **skill})
     stop, served, threads = threading.Event(), {}, []
     stable = registry.stable()
     try:
-        candidate = publish_copy(settings, registry, "good")  # stable's weights: exactly as good
+        lose_skill(Path(stable.model_dir), settings.data_dir / "staging-unskilled")
+        unskilled = registry.publish(settings.data_dir / "staging-unskilled", parent=stable.version, window=None,
+                                     metrics={"gate": {"passed": True, "reason": "test"}}, sample_ids=[],
+                                     actor="test")
+        wait_for(lambda: registry.get(unskilled.version).state != "candidate", timeout=300, interval=1)
+        record = registry.get(unskilled.version)
+        assert record.state == "rejected" and record.metrics["skill"]["verdict"] == "held", record.metrics
+        reason = registry.history(unskilled.version)[-1]["reason"]
+        assert reason.startswith("held for skill: coding: held-out pass rate") and "on the same 50 tasks" in reason
+        assert registry.last_rewind().version == stable.version and unskilled.version in registry.last_rewind().reason
+        assert unskilled.version not in {r.policy_version for r in read_pool(settings).replicas}
+
+        candidate = publish_copy(settings, registry, "good")  # stable's weights: exactly as good on both
         threads = [threading.Thread(target=users, args=(settings, dev_keys["tenant_key"], "\x00never", stop, served),
                                     daemon=True) for _ in range(4)]
         for t in threads:
@@ -221,9 +271,11 @@ def test_a_canary_as_good_as_stable_is_promoted_by_the_guard(settings, stack, de
         stop.set()
         for t in threads:
             t.join(timeout=60)
+        stop_pid(evaluator.pid)
         restart_component(settings, "controller", {})
     record = registry.get(candidate.version)
     assert record.state == "stable", (record.state, record.metrics.get("canary"), record.metrics.get("promotion_error"))
+    assert record.metrics["skill"]["verdict"] == "non_inferior"
     verdict = record.metrics["canary"]
     assert verdict["verdict"] == "non_inferior" and {c["decision"] for c in verdict["comparisons"]} == {"non_inferior"}
     assert served.get(candidate.version)  # judged on what it served

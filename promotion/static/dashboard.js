@@ -81,7 +81,7 @@ function render(state) {
     if (v.state === "candidate" || v.state === "canary") buttons.append(actionButton("Promote", "promote", v.version));
     if (v.state === "canary") buttons.append(actionButton("Abort", "abort", v.version));
     return row([v.version, v.state, v.parent, when(v.created_at), v.gate == null ? "" : (v.gate ? "passed" : "failed"),
-                v.verdict, buttons], { 1: `state-${v.state}` });
+                v.verdict, v.skill, buttons], { 1: `state-${v.state}` });
   }));
   const to = $("#rollback-to");
   const chosen = to.value;

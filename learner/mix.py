@@ -1,0 +1,66 @@
+"""How a version mixes production samples with rollout groups beyond the fresh ones: a
+replay of rollout groups already trained.
+
+Replicas are lent to rollouts only in traffic troughs, so fresh groups come in bursts and a
+day's versions in between train on production feedback alone, which takes the skill the
+rollouts taught away (the day demo drained the coding held-out pass rate from 22% to 0%:
+issue 46). Each version with production samples trains `learner.replay_groups` groups
+again, less the fresh ones it takes: an anchor to what rollouts taught, on the tasks they
+taught it (docs/learning.md, "Training for both", has the ablation that chose it). The
+replayed groups' behaviour logprobs are older than any fresh sample's; the truncated
+importance weight and the trust region around the parent bound what they can do.
+Replayed samples are not learned again in the registry's record (exactly once): they are
+counted in the version's metrics (`replayed_samples`).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+import torch
+
+from learner.trainer import Trainer, collate, token_logprobs
+from liverl.contracts import RewardedSample
+
+
+class ReplayBuffer:
+    """The most recent `size` rollout groups trained, each as its members."""
+
+    def __init__(self, size: int):
+        self.groups: deque[list[RewardedSample]] = deque(maxlen=size)
+
+    def remember(self, groups: Iterable[list[RewardedSample]]) -> None:
+        self.groups.extend(list(g) for g in groups if g)
+
+    def take(self, count: int) -> list[RewardedSample]:
+        """`count` groups, round robin (the least recently replayed first), flattened."""
+        taken: list[RewardedSample] = []
+        for _ in range(min(count, len(self.groups))):
+            group = self.groups.popleft()
+            self.groups.append(group)
+            taken += group
+        return taken
+
+
+def as_if_sampled_now(trainer: Trainer, samples: list[RewardedSample]) -> list[RewardedSample]:
+    """`samples` with their behaviour logprobs from the weights about to train (the version's
+    parent), so each one's importance weight is 1. With the behaviour of the night, the
+    truncated weight pi/mu shrinks exactly where the policy has forgotten (mu there is
+    high, pi low), and a replay pulls least where it is needed most (docs/learning.md).
+    Single-turn samples on one rank only (a multi-turn one keeps its own, and under FSDP a
+    forward is every rank's step)."""
+    if trainer.world != 1:
+        return samples
+    out = []
+    trainer.model.eval()
+    with torch.no_grad():
+        for sample in samples:
+            if sample.trajectory.multi_turn():
+                out.append(sample)
+                continue
+            batch = collate([sample], trainer.tokenizer.pad_token_id, trainer.layers, trainer.top_k)
+            written = token_logprobs(trainer.model, batch)[batch.completion_mask.bool()].tolist()
+            trajectory = sample.trajectory.model_copy(update={"completion_logprobs": written})
+            out.append(sample.model_copy(update={"trajectory": trajectory}))
+    return out

@@ -1,0 +1,119 @@
+"""The skill guard's verdict, without a stack: a candidate is judged on the held-out
+evaluator's figures against the starter and stable, task by task, before its canary; one
+that surely lost skill is held (rejected, with the evaluation and its figures), the
+learner is asked to rewind, and what was trained on top of it never reaches a canary."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import threading
+import time
+
+import pytest
+import uvicorn
+
+from liverl.settings import PortsConfig, PromotionConfig, RolloutsConfig, Settings
+from policies.registry import Registry
+from promotion.controller import Controller
+from promotion.sequential import compare_skill
+from rollouts.evaluator import Evaluator, create_app
+
+
+def test_a_loss_is_surely_below_and_by_more_than_the_margin():
+    # Ten lost, none gained of 20 tasks: p 1/1024, 0.5 points below.
+    lost = compare_skill("coding", "v0", "1" * 10 + "0" * 10, "0" * 20, margin=0.05, level=0.05)
+    assert lost.lost_skill and (lost.lost, lost.gained, lost.p) == (10, 0, 1 / 1024)
+    assert "coding: held-out pass rate 0.000 against v0's 0.500 on the same 20 tasks (10 lost, 0 gained" in lost.text()
+    # Surely below, but within the margin: 5 of 200 tasks lost is 2.5 points.
+    small = compare_skill("coding", "v0", "1" * 5 + "0" * 195, "0" * 200, margin=0.05, level=0.05)
+    assert small.p < 0.05 and not small.lost_skill
+    # Far below in rate, but on 3 tasks: could be luck (p 1/8).
+    assert not compare_skill("coding", "v0", "111", "000", margin=0.05, level=0.05).lost_skill
+    # As many gained as lost: no loss, whatever the tasks that changed.
+    assert not compare_skill("coding", "v0", "1100", "0011", margin=0.05, level=0.05).lost_skill
+    with pytest.raises(ValueError, match="different task sets"):
+        compare_skill("coding", "v0", "1010", "10", margin=0.05, level=0.05)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture()
+def guarded(tmp_path, starter_dir):
+    """A registry with the starter stable, the real held-out evaluator answering on its port
+    (not looping: the test steps it), and a controller with the skill guard."""
+    settings = Settings(data_dir=tmp_path, ports=PortsConfig(evaluator=free_port()),
+                        promotion=PromotionConfig(auto_promote=True),
+                        rollouts=RolloutsConfig(levels=[1, 2], heldout_every_s=600.0, heldout_tasks=20))
+    registry = Registry(settings.policies_dir)
+    staged = tmp_path / "staged-v0"
+    shutil.copytree(starter_dir, staged)
+    registry.publish(staged, parent=None, window=None, metrics={}, sample_ids=[], actor="test", state="stable")
+    evaluator = Evaluator(settings)
+    server = uvicorn.Server(uvicorn.Config(create_app(evaluator), host=settings.host,
+                                           port=settings.ports.evaluator, log_level="warning"))
+    threading.Thread(target=server.run, daemon=True).start()
+    deadline = time.time() + 30
+    while not server.started and time.time() < deadline:
+        time.sleep(0.05)
+    yield settings, registry, evaluator, Controller(settings)
+    server.should_exit = True
+
+
+def candidate(settings, registry, starter_dir, parent: str) -> str:
+    staged = settings.data_dir / f"staged-{len(registry.versions())}"
+    shutil.copytree(starter_dir, staged)
+    return registry.publish(staged, parent=parent, window=None, metrics={"gate": {"passed": True, "reason": "test"}},
+                            sample_ids=[], actor="test").version
+
+
+def test_a_candidate_waits_for_its_figures_and_as_good_as_both_goes_on(guarded, starter_dir):
+    settings, registry, evaluator, controller = guarded
+    good = candidate(settings, registry, starter_dir, "v0")
+    stable = registry.stable()
+    assert not controller.skill_passed(registry.get(good), stable)  # no figures yet: it waits, and asks
+    assert "waits for its held-out evaluation" in controller.state
+    evaluator.step()  # stable first (the reference) ...
+    evaluator.step()  # ... then the candidate the controller asked for
+    assert registry.get(good).metrics["heldout"]["task_set"] == registry.get("v0").metrics["heldout"]["task_set"]
+    assert controller.skill_passed(registry.get(good), registry.stable())  # the starter's weights: lost nothing
+    skill = registry.get(good).metrics["skill"]
+    assert skill["verdict"] == "non_inferior" and [c["reference"] for c in skill["comparisons"]] == ["v0"]
+
+
+def test_a_candidate_that_lost_skill_is_held_and_the_learner_rewinds(guarded, starter_dir):
+    settings, registry, evaluator, controller = guarded
+    evaluator.step()  # the starter's figures
+    starter = registry.get("v0").metrics["heldout"]
+    assert starter["solved"].count("1") >= 4, "the starter solves a few of the 20 tasks"
+    lost = candidate(settings, registry, starter_dir, "v0")
+    on_top = candidate(settings, registry, starter_dir, lost)
+    registry.update_metrics(lost, heldout=dict(starter, solved="0" * 20, pass_rate=0.0))  # every task lost
+    assert not controller.skill_passed(registry.get(lost), registry.stable())
+    record = registry.get(lost)
+    assert record.state == "rejected" and record.metrics["skill"]["verdict"] == "held"
+    reason = registry.history(lost)[-1]["reason"]
+    assert reason.startswith("held for skill: coding: held-out pass rate 0.000 against v0's")
+    assert f"{starter['solved'].count('1')} lost, 0 gained" in reason
+    rewind = registry.last_rewind()
+    assert rewind is not None and rewind.version == "v0" and lost in rewind.reason
+    # What the learner trained on top of it is rejected before the evaluator spends time on it.
+    controller.take_candidate()
+    assert registry.get(on_top).state == "rejected"
+    assert f"trained on top of {lost}, held for skill" in registry.history(on_top)[-1]["reason"]
+
+
+def test_no_evaluator_no_skill_evidence(tmp_path, starter_dir):
+    """Without the evaluator running, the guard has no skill evidence and judges production only."""
+    settings = Settings(data_dir=tmp_path, ports=PortsConfig(evaluator=free_port()),
+                        rollouts=RolloutsConfig(heldout_every_s=60.0))
+    registry = Registry(settings.policies_dir)
+    staged = tmp_path / "staged"
+    shutil.copytree(starter_dir, staged)
+    stable = registry.publish(staged, parent=None, window=None, metrics={}, sample_ids=[], actor="test",
+                              state="stable")
+    assert Controller(settings).skill_passed(stable, stable)
