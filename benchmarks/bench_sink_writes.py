@@ -1,17 +1,28 @@
 """What one sink write costs: the analytics sink's `store` (parse, duplicate check, insert)
-on embedded ClickHouse, CPU per write and per message, by how many messages a write holds.
+on embedded ClickHouse, CPU per write and per message, by how many messages a write holds;
+and, with `--stored`, a batch's time against how many rows its tables already hold.
 
 A write's cost barely depends on its size, so the sink gathers what arrives within
 `warehouse.batch_s` into one write per topic.
 
     .venv/bin/python benchmarks/bench_sink_writes.py
+    .venv/bin/python benchmarks/bench_sink_writes.py --stored 1000000 --stored 10000000
+
+With `--stored N`, feedback_events and samples first get N rows each (a month of history,
+through SQL, so the materialized views see them as they see the sink's writes), then the
+sink stores `--batches` batches of `--batch` fresh feedback events, and as many batches of
+samples of which a tenth are revisions of stored samples; each batch's wall and CPU time.
 """
 
 from __future__ import annotations
 
+import os
+import random
+import statistics
 import tempfile
 import time
 import uuid
+from datetime import UTC, datetime
 from pathlib import Path
 
 import typer
@@ -20,8 +31,22 @@ from rich.table import Table
 
 from feedback.sink import Sink
 from feedback.warehouse import open_warehouse
-from liverl.contracts import RequestRecord, Topics
+from liverl.contracts import FeedbackEvent, RequestRecord, RewardedSample, Topics, Trajectory
+from liverl.kafka import encode
 from liverl.settings import Settings
+
+console = Console(width=160)
+FILL = {
+    "feedback_events": """INSERT INTO feedback_events SELECT concat('fill-', toString(number)), 'acme',
+        now64(3) - toIntervalSecond(number % 2592000), now64(3), concat('c-fill-', toString(number)), 'accept', 1.0,
+        '{{"kind":"accept"}}' FROM numbers({n})""",
+    "samples": """INSERT INTO samples (event_id, sample_id, revision, tenant, timestamp, served_at, policy_version,
+        reward, reward_source, reward_fn_version, accepted, completion_tokens, reward_delta, accepted_delta,
+        judged_delta, count_delta, source)
+        SELECT concat('acme:fill-', toString(number), ':r0'), concat('acme:fill-', toString(number)), 0, 'acme',
+        now64(3) - toIntervalSecond(number % 2592000), now64(3) - toIntervalSecond(number % 2592000), 'v1', 1.0,
+        'feedback', 't', 1, 24, 1.0, 1, 1, 1, 'gateway' FROM numbers({n})""",
+}
 
 
 def records(n: int) -> list[bytes]:
@@ -30,9 +55,66 @@ def records(n: int) -> list[bytes]:
                           latency_ms=12.0, policy_version="v1").model_dump_json().encode() for _ in range(n)]
 
 
+def feedback_events(n: int) -> list[bytes]:
+    now = datetime.now(UTC)
+    return [encode(FeedbackEvent.model_validate({"event_id": uuid.uuid4().hex, "tenant": "acme", "timestamp": now,
+                                                 "body": {"kind": "accept", "completion_id": uuid.uuid4().hex}}))
+            for _ in range(n)]
+
+
+def samples(n: int, stored: int) -> list[bytes]:
+    """Fresh samples, a tenth of them revision 1 of a stored one (served when it was)."""
+    out = []
+    for i in range(n):
+        revised = i % 10 == 0
+        number = random.randrange(stored)
+        cid = f"fill-{number}" if revised else uuid.uuid4().hex
+        served = datetime.fromtimestamp(time.time() - number % 2592000, UTC) if revised else datetime.now(UTC)
+        trajectory = Trajectory(event_id=cid, tenant="acme", completion_id=cid, policy_version="v1",
+                                timestamp=served, completion_token_ids=[1] * 24, completion_logprobs=[-1.0] * 24)
+        revision = 1 if revised else 0
+        out.append(encode(RewardedSample(sample_id=f"acme:{cid}", revision=revision, event_id=f"acme:{cid}:r{revision}",
+                                         tenant="acme", reward=0.0, reward_source="feedback", reward_fn_version="t",
+                                         accepted=False, trajectory=trajectory)))
+    return out
+
+
+def by_table_size(sizes: list[int], batch: int, batches: int) -> None:
+    table = Table(title=f"sink batches of {batch} against the rows already stored (median of {batches} batches "
+                        "each; range in brackets)")
+    for column in ("rows stored", "fill", "feedback batch wall", "feedback batch CPU", "samples batch wall",
+                   "samples batch CPU"):
+        table.add_column(column, justify="right")
+    for size in sizes:
+        with tempfile.TemporaryDirectory(dir=os.environ.get("LIVERL_BENCH_TMP")) as data_dir:
+            sink = Sink(open_warehouse(Settings(data_dir=Path(data_dir))))
+            started = time.time()
+            for sql in FILL.values():
+                sink.warehouse.command(sql.format(n=size))
+            fill = time.time() - started
+            cells = []
+            for topic, make in ((Topics.FEEDBACK, lambda: feedback_events(batch)),
+                                (Topics.SAMPLES, lambda: samples(batch, size))):  # noqa: B023 (called in this iteration)
+                walls, cpus = [], []
+                for _ in range(batches):
+                    messages = make()
+                    cpu, wall = time.process_time(), time.perf_counter()
+                    sink.store(topic, messages)
+                    cpus.append(1000 * (time.process_time() - cpu))
+                    walls.append(1000 * (time.perf_counter() - wall))
+                cells += [f"{statistics.median(v):.0f} ms ({min(v):.0f}-{max(v):.0f})" for v in (walls, cpus)]
+            table.add_row(f"{size:,}", f"{fill:.0f} s", *cells)
+            sink.warehouse.close()
+        console.print(table)
+
+
 def main(messages: int = typer.Option(512, help="Messages stored for each write size."),
-         stored_before: int = typer.Option(4000, help="Rows in the table before timing (duplicate checks read it).")
-         ) -> None:
+         stored_before: int = typer.Option(4000, help="Rows in the table before timing (duplicate checks read it)."),
+         stored: list[int] = typer.Option([], help="Instead: rows stored before, one run per value."),
+         batch: int = typer.Option(2000, help="With --stored: messages per batch."),
+         batches: int = typer.Option(10, help="With --stored: batches timed per table.")) -> None:
+    if stored:
+        return by_table_size(stored, batch, batches)
     table = Table(title=f"sink writes on embedded ClickHouse: {messages} messages per size, "
                         f"{stored_before} rows stored before")
     for column in ("messages per write", "writes", "CPU per write", "CPU per message", "wall"):
@@ -49,7 +131,7 @@ def main(messages: int = typer.Option(512, help="Messages stored for each write 
             cpu, wall = time.process_time() - cpu, time.time() - wall
             table.add_row(str(size), str(len(writes)), f"{1000 * cpu / len(writes):.2f} ms",
                           f"{1000 * cpu / (len(writes) * size):.3f} ms", f"{wall:.2f} s")
-    Console().print(table)
+    console.print(table)
 
 
 if __name__ == "__main__":

@@ -2,10 +2,8 @@
 
 Trajectories and feedback meet per tenant and completion (a completion id is the
 tenant's own name: another tenant using the same id shares nothing with it). The state
-of one completion is plain JSON data, what the stream's faust table holds:
-
-    {"trajectory": {...} | None, "feedback": [...], "event_ids": [...],
-     "revision": -1, "closed": False, "first_seen": epoch seconds}
+of one completion is a `CompletionState`, what the stream's faust table holds (as JSON
+in its changelog, parsed once when the table is recovered).
 
 - feedback may arrive before its trajectory: it waits, up to the reward window;
 - the first feedback on a known trajectory emits revision 0 of the sample; more
@@ -14,22 +12,29 @@ of one completion is plain JSON data, what the stream's faust table holds:
 - when the window closes with no feedback, the tenant's default reward (if any);
 - feedback after the window closed is counted late and still emits a revision;
 - a closed completion stays one more window as a tombstone that catches late duplicates;
-- duplicates (same event_id) are dropped; malformed or unjoinable events, and feedback
-  past `max_feedback` per completion, become dead letters with the reason.
+- duplicates (same event_id) are dropped; malformed or unjoinable events, feedback past
+  `max_feedback` per completion, and feedback past `max_unjoined` waiting for its
+  trajectory per tenant, become dead letters with the reason.
 
 Each step takes the time (`now`, epoch seconds) and returns what to send and count
-(`Emitted`); `feedback/stream.py` only wires it to topics, a table and a timer.
+(`Emitted`); it notes which states changed (`take_changed`), so the stream writes each
+changed state to its table once per batch. Open windows are indexed by the time they
+close (a heap), so closing them costs per window due, not per window open.
+`feedback/stream.py` only wires it to topics, a table and a timer.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import MutableMapping
+import heapq
+import logging
+from collections import Counter
+from collections.abc import MutableMapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-from pydantic import ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
 from feedback.rewards import Rewarder, RewardResult
 from liverl.contracts import (
@@ -41,8 +46,40 @@ from liverl.contracts import (
 )
 from liverl.kafka import encode
 
-State = dict[str, Any]
+logger = logging.getLogger(__name__)
 UNJOINABLE = "unjoinable: no trajectory for this completion_id within the reward window"
+
+
+class CompletionState(BaseModel):
+    """One completion's join state, typed: parsed once (from an event, or from the table's
+    changelog on recovery), never re-validated per event."""
+
+    trajectory: Trajectory | None = None
+    feedback: list[FeedbackEvent] = Field(default_factory=list)
+    event_ids: list[str] = Field(default_factory=list)
+    revision: int = -1
+    closed: bool = False
+    first_seen: float = Field(description="When the join first saw the completion, epoch seconds.")
+    partition: int = Field(0, description="The source partition its events arrive on: where its table "
+                           "entry is changelogged, so the worker that owns the partition recovers it.")
+
+    def __getitem__(self, name: str) -> Any:
+        """Fields by name too, as they were read when the state was a JSON dict."""
+        return getattr(self, name)
+
+    def due_at(self, window_s: float) -> float:
+        """When closing its window has something to do: default reward or unjoinable one
+        window after it was served (or first seen, without a trajectory); a tombstone's drop
+        two windows after it was first seen. Derived from what the state holds, so a
+        restarted worker keeps every window's original deadline."""
+        if self.closed:
+            return self.first_seen + 2 * window_s
+        if self.trajectory is None:
+            return self.first_seen + window_s
+        return self.trajectory.timestamp.timestamp() + window_s
+
+
+State = CompletionState
 
 
 def join_key(tenant: str, completion_id: str) -> str:
@@ -65,10 +102,17 @@ class Emitted:
     samples: list[RewardedSample] = field(default_factory=list)
     dead_letters: list[DeadLetter] = field(default_factory=list)
     counts: list[tuple[str, str]] = field(default_factory=list)
+    overflowed: list[str] = field(default_factory=list)  # a tenant per feedback over its unjoined bound
 
     def refuse(self, topic: str, reason: str, payload: bytes, tenant: str | None = None) -> None:
         self.dead_letters.append(dead_letter(topic, reason, payload, tenant))
         self.counts.append((topic, "dead_letter"))
+
+    def extend(self, other: Emitted) -> None:
+        self.samples += other.samples
+        self.dead_letters += other.dead_letters
+        self.counts += other.counts
+        self.overflowed += other.overflowed
 
 
 def parse(topic: str, raw: bytes) -> Trajectory | FeedbackEvent:
@@ -76,25 +120,48 @@ def parse(topic: str, raw: bytes) -> Trajectory | FeedbackEvent:
     return model.model_validate_json(raw)
 
 
-def new_state(now: float) -> State:
-    return {"trajectory": None, "feedback": [], "event_ids": [], "revision": -1,
-            "closed": False, "first_seen": now}
+def new_state(now: float, partition: int = 0) -> State:
+    return CompletionState(first_seen=now, partition=partition)
 
 
 class FeedbackJoin:
-    """The join over `states` (join_key -> State): a plain dict in tests, the faust table
-    in the stream, which may only be written by the agent owning the key's partition."""
+    """The join over `states` (join_key -> CompletionState): a plain dict in tests, the
+    faust table's store in the stream, whose changelog gets `take_changed()` after a batch."""
 
     def __init__(self, states: MutableMapping[str, State], rewarder: Rewarder,
-                 window_s: float, max_feedback: int):
+                 window_s: float, max_feedback: int, max_unjoined: int | None = None):
         self.states = states
         self.rewarder = rewarder
         self.window_s = window_s
         self.max_feedback = max_feedback
-        # Keys named by windows_due and not closed yet, so each sweep does not name them again.
-        self.close_requested: set[str] = set()
+        self.max_unjoined = max_unjoined
+        self.changed: dict[str, int] = {}  # key -> partition, written or deleted since take_changed
+        self.reindex()
 
-    def arrived(self, topic: str, raw: bytes, now: float) -> Emitted:
+    def reindex(self) -> None:
+        """The due index and each tenant's count of feedback waiting for a trajectory, from
+        the states (at start and after the table is recovered)."""
+        self.due = [(state.due_at(self.window_s), key) for key, state in self.states.items()]
+        heapq.heapify(self.due)
+        self.unjoined: Counter[str] = Counter()
+        for key, state in self.states.items():
+            if state.trajectory is None:
+                self.unjoined[key.split(":", 1)[0]] += len(state.feedback)
+
+    def take_changed(self) -> dict[str, int]:
+        """The keys written or deleted since the last call, with their partitions."""
+        changed, self.changed = self.changed, {}
+        return changed
+
+    def _store(self, key: str, state: State) -> None:
+        self.states[key] = state
+        self.changed[key] = state.partition
+
+    def _drop(self, key: str, state: State) -> None:
+        del self.states[key]
+        self.changed[key] = state.partition
+
+    def arrived(self, topic: str, raw: bytes, now: float, partition: int = 0) -> Emitted:
         """A trajectory (on Topics.TRAJECTORIES) or a feedback event (any other topic)."""
         out = Emitted()
         try:
@@ -104,105 +171,137 @@ class FeedbackJoin:
             return out
         completion_id = event.completion_id if isinstance(event, Trajectory) else event.body.completion_id
         key = join_key(event.tenant, completion_id)
-        state = self.states.get(key) or new_state(now)
-        if event.event_id in state["event_ids"]:
+        state = self.states.get(key) or new_state(now, partition)
+        if event.event_id in state.event_ids:
             out.counts.append((topic, "duplicate"))
             return out
+        due = state.due_at(self.window_s) if key in self.states else None
         if isinstance(event, Trajectory):
             joined = self._trajectory_arrived(state, event, topic, raw, now, out)
         else:
             joined = self._feedback_arrived(state, event, topic, raw, now, out)
         if joined:
-            state["event_ids"].append(event.event_id)
+            state.event_ids.append(event.event_id)
             out.counts.append((topic, "joined"))
-            self.states[key] = state
+            self._store(key, state)
+            if state.due_at(self.window_s) != due:
+                heapq.heappush(self.due, (state.due_at(self.window_s), key))
         return out
 
     def _trajectory_arrived(self, state: State, trajectory: Trajectory, topic: str, raw: bytes,
                             now: float, out: Emitted) -> bool:
-        if state["trajectory"] is not None:
+        if state.trajectory is not None:
             out.refuse(topic, "a trajectory with this completion_id exists", raw, trajectory.tenant)
             return False
-        state["trajectory"] = trajectory.model_dump(mode="json")
-        if state["feedback"]:
+        state.trajectory = trajectory
+        self.unjoined[trajectory.tenant] -= len(state.feedback)
+        if state.feedback:
             self._score(state, now, out)
         return True
 
     def _feedback_arrived(self, state: State, event: FeedbackEvent, topic: str, raw: bytes,
                           now: float, out: Emitted) -> bool:
-        if len(state["feedback"]) >= self.max_feedback:
-            # The whole state is rewritten to the changelog on every event: unbounded,
+        if len(state.feedback) >= self.max_feedback:
+            # The whole state is rewritten to the changelog on every change: unbounded,
             # one chatty completion would cost quadratic time and broker memory.
             out.refuse(topic, f"more than {self.max_feedback} feedback events for this completion",
                        raw, event.tenant)
             return False
-        state["feedback"].append(event.model_dump(mode="json"))
-        if state["closed"]:
+        if state.trajectory is None:
+            if self.max_unjoined is not None and self.unjoined[event.tenant] >= self.max_unjoined:
+                # Feedback for completions nobody served would otherwise hold memory without a bound.
+                out.refuse(topic, f"tenant {event.tenant} has {self.max_unjoined} feedback events waiting "
+                           "for their trajectories already", raw, event.tenant)
+                out.overflowed.append(event.tenant)
+                return False
+            self.unjoined[event.tenant] += 1
+        state.feedback.append(event)
+        if state.closed:
             out.counts.append((topic, "late"))
-        if state["trajectory"] is not None:
+        if state.trajectory is not None:
             self._score(state, now, out)
         return True
 
     def _score(self, state: State, now: float, out: Emitted) -> None:
-        trajectory = Trajectory.model_validate(state["trajectory"])
-        events = [FeedbackEvent.model_validate(f) for f in state["feedback"]]
-        result = self.rewarder.score(trajectory, events)
-        self._emit(state, result, "late" if state["closed"] else "feedback", now, out)
+        assert state.trajectory is not None
+        result = self.rewarder.score(state.trajectory, state.feedback)
+        self._emit(state, result, "late" if state.closed else "feedback", now, out)
 
     def _emit(self, state: State, result: RewardResult, source: Literal["feedback", "default", "late"], now: float,
               out: Emitted) -> None:
-        trajectory = Trajectory.model_validate(state["trajectory"])
-        state["revision"] += 1
+        trajectory = state.trajectory
+        assert trajectory is not None
+        state.revision += 1
         sample_id = join_key(trajectory.tenant, trajectory.completion_id)
         out.samples.append(RewardedSample(
             sample_id=sample_id,
-            revision=state["revision"],
-            event_id=f"{sample_id}:r{state['revision']}",
+            revision=state.revision,
+            event_id=f"{sample_id}:r{state.revision}",
             tenant=trajectory.tenant,
             timestamp=datetime.fromtimestamp(now, UTC),
             reward=result.reward,
             reward_source=source,
             reward_fn_version=result.fn_version,
-            feedback_event_ids=[f["event_id"] for f in state["feedback"]],
+            feedback_event_ids=[f.event_id for f in state.feedback],
             accepted=result.accepted,
             trajectory=trajectory,
         ))
 
     def is_due(self, state: State | None, now: float) -> bool:
         """Whether closing this completion's window has something to do."""
-        if state is None or state["closed"]:
-            return state is not None and now - state["first_seen"] > 2 * self.window_s
-        if state["trajectory"] is None:
-            return now - state["first_seen"] > self.window_s
-        # Only the timestamp: a full Trajectory validation per open window per sweep is waste.
-        return now - datetime.fromisoformat(state["trajectory"]["timestamp"]).timestamp() > self.window_s
+        return state is not None and now > state.due_at(self.window_s)
 
     def windows_due(self, now: float) -> list[str]:
-        """The keys whose window should close now; each is named once until close_window."""
-        due = [key for key, state in list(self.states.items())
-               if key not in self.close_requested and self.is_due(state, now)]
-        self.close_requested.update(due)
+        """The keys whose window should close now, from the due index: each is named once
+        (an entry whose state has moved on since it was indexed is stale and skipped)."""
+        due: list[str] = []
+        while self.due and self.due[0][0] < now:
+            at, key = heapq.heappop(self.due)
+            state = self.states.get(key)
+            if state is not None and state.due_at(self.window_s) == at:
+                due.append(key)
         return due
 
     def close_window(self, key: str, now: float) -> Emitted:
         """Default rewards for silent completions; unjoinable feedback to dead letters;
         a closed completion's tombstone dropped."""
         out = Emitted()
-        self.close_requested.discard(key)
         state = self.states.get(key)
         if state is None or not self.is_due(state, now):
             return out  # already closed by an earlier request
-        if state["closed"]:
-            del self.states[key]
+        if state.closed:
+            self._drop(key, state)
             return out
-        trajectory = state["trajectory"]
+        trajectory = state.trajectory
         if trajectory is None:
-            for f in state["feedback"]:
-                out.refuse(Topics.FEEDBACK, UNJOINABLE, encode(FeedbackEvent.model_validate(f)), f["tenant"])
-            del self.states[key]
+            for f in state.feedback:
+                out.refuse(Topics.FEEDBACK, UNJOINABLE, encode(f), f.tenant)
+            self.unjoined[key.split(":", 1)[0]] -= len(state.feedback)
+            self._drop(key, state)
             return out
-        if state["revision"] < 0 and (result := self.rewarder.default(Trajectory.model_validate(trajectory))):
+        if state.revision < 0 and (result := self.rewarder.default(trajectory)):
             self._emit(state, result, "default", now, out)
-        state["closed"] = True
-        self.states[key] = state
+        state.closed = True
+        self._store(key, state)
+        heapq.heappush(self.due, (state.due_at(self.window_s), key))
+        return out
+
+    def process(self, batch: Sequence[tuple[str, bytes, int]], now: float) -> Emitted:
+        """A batch of (topic, payload, partition) in order, then every window due: the
+        batch's events are seen before a window closing at its time."""
+        out = Emitted()
+        for topic, raw, partition in batch:
+            try:
+                out.extend(self.arrived(topic, raw, now, partition))
+            except Exception as error:  # one poisoned event (a team's reward hook...) must not stop the join
+                logger.exception("join failed")
+                out.refuse(topic, f"processing failed: {error!r}", raw)
+        out.extend(self.close_due(now))
+        return out
+
+    def close_due(self, now: float) -> Emitted:
+        """Every window due now, closed."""
+        out = Emitted()
+        for key in self.windows_due(now):
+            out.extend(self.close_window(key, now))
         return out

@@ -4,7 +4,9 @@ In embedded mode chdb can be open in one process only, so this process also answ
 analysts' read-only SQL (`liverl sql`, `liverl metrics`) over HTTP.
 
 Offsets are committed after the rows are stored: a crash redelivers, and rows whose
-event id is already stored are skipped, so nothing is lost or counted twice.
+event id is already stored are skipped, so nothing is lost or counted twice. Both checks
+a batch makes (ids stored, earlier revisions of its samples) are one query each, on a
+sorting key, so a batch costs the same however much is stored.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import asyncio
 import hashlib
 import json
 import time
+from collections.abc import Iterable
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from typing import Any, Literal
@@ -24,7 +27,7 @@ from prometheus_client import Counter, Gauge
 from pydantic import AwareDatetime, BaseModel, Field, ValidationError
 
 from feedback.analyst_sql import RefusedQuery, prepare
-from feedback.warehouse import FORMATS, Warehouse, open_warehouse, query_json
+from feedback.warehouse import FORMATS, INDEXED_TIME, Warehouse, open_warehouse, query_json
 from liverl.contracts import (
     CapacityEvent,
     DeadLetter,
@@ -105,6 +108,22 @@ def dead_letter_row(d: DeadLetter) -> dict:
                 reason=d.reason, tenant=d.tenant, payload=d.payload)
 
 
+def minutes(timestamps: Iterable[str]) -> str:
+    """The minutes of these row timestamps ('YYYY-MM-DD HH:MM:SS.mmm'), as SQL DateTime literals."""
+    return ",".join(f"toDateTime({quote(minute + ':00')}, 'UTC')" for minute in {t[:16] for t in timestamps})
+
+
+def sample_row(s: RewardedSample) -> dict:
+    """A sample's row, counted as a new sample; Sink.correct_revisions makes a revision a correction."""
+    return dict(event_id=s.event_id, sample_id=s.sample_id, revision=s.revision, tenant=s.tenant,
+                timestamp=_ts(s.timestamp), served_at=_ts(s.trajectory.timestamp),
+                policy_version=s.trajectory.policy_version, reward=s.reward, reward_source=s.reward_source,
+                reward_fn_version=s.reward_fn_version, accepted=None if s.accepted is None else int(s.accepted),
+                completion_tokens=s.trajectory.token_counts()[1], reward_delta=s.reward,
+                accepted_delta=int(bool(s.accepted)), judged_delta=int(s.accepted is not None), count_delta=1,
+                source=s.trajectory.source)
+
+
 def policy_version_row(p: PolicyVersionEvent) -> dict:
     return dict(event_id=p.event_id, version=p.version, parent=p.parent,
                 created_at=_ts(datetime.fromtimestamp(p.created_at, UTC)),
@@ -116,54 +135,66 @@ class Sink:
     def __init__(self, warehouse: Warehouse):
         self.warehouse = warehouse
 
-    def _stored_keys(self, table: str, keys: list[tuple[str | None, str]]) -> set[tuple[str | None, str]]:
+    def _stored_keys(self, table: str, rows: dict[tuple[str | None, str], dict]) -> set[tuple[str | None, str]]:
         """Which (tenant, event_id) pairs are stored: an event id is the tenant's own name,
-        so another tenant's event with the same id is not a duplicate."""
-        quoted = ",".join(quote(event_id) for _, event_id in keys)
-        tenant = "NULL" if table in UNTENANTED else "tenant"
-        rows = query_json(self.warehouse, f"SELECT {tenant} AS tenant, event_id FROM {table} "
-                                          f"WHERE event_id IN ({quoted})")
-        return {(r["tenant"], r["event_id"]) for r in rows}
-
-    def _previous_revision(self, sample_id: str, revision: int) -> dict | None:
-        rows = query_json(self.warehouse, f"SELECT reward, accepted FROM samples WHERE sample_id = {quote(sample_id)} "
-                                          f"AND revision < {revision} ORDER BY revision DESC LIMIT 1")
-        return rows[0] if rows else None
-
-    def sample_row(self, s: RewardedSample, batch: dict[str, dict]) -> dict:
-        """The sample's row; `batch` holds this consumer batch's rows so far by sample id,
-        so a revision whose predecessor is in the same batch (not yet stored) corrects it."""
-        judged = s.accepted is not None
-        row: dict[str, Any] = dict(event_id=s.event_id, sample_id=s.sample_id, revision=s.revision,
-                   tenant=s.tenant, timestamp=_ts(s.timestamp),
-                   served_at=_ts(s.trajectory.timestamp),
-                   policy_version=s.trajectory.policy_version, reward=s.reward,
-                   reward_source=s.reward_source, reward_fn_version=s.reward_fn_version,
-                   accepted=None if s.accepted is None else int(s.accepted),
-                   completion_tokens=s.trajectory.token_counts()[1],
-                   reward_delta=s.reward, accepted_delta=int(bool(s.accepted)),
-                   judged_delta=int(judged), count_delta=1, source=s.trajectory.source)
-        earlier = batch.get(s.sample_id)
-        prev: dict | None
-        if earlier is not None and earlier["revision"] < s.revision:
-            prev = earlier
+        so another tenant's event with the same id is not a duplicate. A big table's ids are
+        looked up in stored_ids by the minutes their rows name (its sorting key): the cost is
+        the batch's, not the table's. The small ones are read by event id."""
+        if table in INDEXED_TIME:
+            keys = ",".join(f"({quote(str(tenant))}, {quote(event_id)})" for tenant, event_id in rows)
+            sql = (f"SELECT tenant, event_id FROM stored_ids WHERE tbl = {quote(table)} AND minute IN "
+                   f"({minutes(row[INDEXED_TIME[table]] for row in rows.values())}) AND (tenant, event_id) IN ({keys})")
         else:
-            prev = self._previous_revision(s.sample_id, s.revision) if s.revision else None
-        if prev:
-            # A correction: the rollup gets the difference, not a second sample.
-            prev_judged = prev["accepted"] is not None
-            row.update(reward_delta=s.reward - prev["reward"],
-                       accepted_delta=int(bool(s.accepted)) - int(bool(prev["accepted"])),
-                       judged_delta=int(judged) - int(prev_judged), count_delta=0)
-        return row
+            tenant = "NULL" if table in UNTENANTED else "tenant"
+            quoted = ",".join(quote(event_id) for _, event_id in rows)
+            sql = f"SELECT {tenant} AS tenant, event_id FROM {table} WHERE event_id IN ({quoted})"
+        return {(r["tenant"], r["event_id"]) for r in query_json(self.warehouse, sql)}
 
-    def to_row(self, topic: str, raw: bytes, batch: dict[str, dict]) -> dict:
+    def _stored_revisions(self, rows: list[dict]) -> dict[str, list[dict]]:
+        """Every stored revision of these samples, by sample id: one query for the batch, in
+        sample_revisions by the minutes they were served."""
+        samples = ",".join({f"({quote(r['tenant'])}, {quote(r['sample_id'])})" for r in rows})
+        found: dict[str, list[dict]] = {}
+        for row in query_json(self.warehouse, "SELECT sample_id, revision, reward, accepted FROM sample_revisions "
+                                              f"WHERE minute IN ({minutes(r['served_at'] for r in rows)}) "
+                                              f"AND (tenant, sample_id) IN ({samples})"):
+            found.setdefault(row["sample_id"], []).append(row)
+        return found
+
+    def correct_revisions(self, rows: list[dict], stored: dict[str, list[dict]]) -> None:
+        """A revision is a correction: the rollup gets the difference from the latest earlier
+        revision (in this batch, before it, or stored), not a second sample."""
+        latest: dict[str, dict] = {}  # this batch's newest revision of each sample so far
+        for row in rows:
+            earlier = [r for r in [latest.get(row["sample_id"]), *stored.get(row["sample_id"], [])]
+                       if r is not None and r["revision"] < row["revision"]]
+            if earlier:
+                prev = max(earlier, key=lambda r: r["revision"])
+                judged, prev_judged = row["accepted"] is not None, prev["accepted"] is not None
+                row.update(reward_delta=row["reward"] - prev["reward"],
+                           accepted_delta=int(bool(row["accepted"])) - int(bool(prev["accepted"])),
+                           judged_delta=int(judged) - int(prev_judged), count_delta=0)
+            if row["sample_id"] not in latest or latest[row["sample_id"]]["revision"] < row["revision"]:
+                latest[row["sample_id"]] = row
+
+    def _fresh(self, table: str, rows: dict[tuple[str | None, str], dict]) -> list[dict]:
+        """The rows not stored yet; samples corrected against their earlier revisions."""
+        if table != "samples":
+            stored = self._stored_keys(table, rows)
+            return [r for key, r in rows.items() if key not in stored]
+        revisions = self._stored_revisions(list(rows.values()))
+        # Against every revision in the batch: a stored one in it is still the one before.
+        self.correct_revisions(list(rows.values()), revisions)
+        stored_ids = {f"{sample_id}:r{r['revision']}" for sample_id, found in revisions.items() for r in found}
+        return [r for r in rows.values() if r["event_id"] not in stored_ids]
+
+    def to_row(self, topic: str, raw: bytes) -> dict:
         if topic == Topics.FEEDBACK:
             return feedback_row(FeedbackEvent.model_validate_json(raw))
         if topic == Topics.TRAJECTORIES:
             return trajectory_row(Trajectory.model_validate_json(raw))
         if topic == Topics.SAMPLES:
-            return self.sample_row(RewardedSample.model_validate_json(raw), batch)
+            return sample_row(RewardedSample.model_validate_json(raw))
         if topic == Topics.REQUESTS:
             return request_row(RequestRecord.model_validate_json(raw))
         if topic == Topics.POLICY_VERSIONS:
@@ -177,10 +208,9 @@ class Sink:
     def store(self, topic: str, messages: list[bytes]) -> None:
         table = TABLE_OF[topic]
         rows: dict[tuple[str | None, str], dict] = {}
-        latest: dict[str, dict] = {}  # samples: the newest revision of each in this batch
         for raw in messages:
             try:
-                row = self.to_row(topic, raw, latest)
+                row = self.to_row(topic, raw)
             except ValidationError as error:
                 # Producers validate, so this is a bug or a foreign writer: keep it visible.
                 self.warehouse.insert("dead_letters", [dead_letter_row(DeadLetter(
@@ -189,15 +219,10 @@ class Sink:
                     payload=raw.decode(errors="replace")))])
                 ROWS.labels(table, "malformed").inc()
                 continue
-            key = (row.get("tenant"), row["event_id"])
-            if key not in rows:
-                rows[key] = row
-                if topic == Topics.SAMPLES:
-                    latest[row["sample_id"]] = row
+            rows.setdefault((row.get("tenant"), row["event_id"]), row)
         if not rows:
             return
-        stored = self._stored_keys(table, list(rows))
-        fresh = [r for i, r in rows.items() if i not in stored]
+        fresh = self._fresh(table, rows)
         if fresh:
             self.warehouse.insert(table, fresh)
             WRITES.labels(table).inc()

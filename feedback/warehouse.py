@@ -2,7 +2,10 @@
 
 One schema serves both. Every table is a ReplacingMergeTree keyed by its event id, so
 a redelivered event is harmless; the sink also skips ids already stored so that the
-hourly rollup (fed by a materialized view at insert time) counts each event once.
+hourly rollup (fed by a materialized view at insert time) counts each event once. The
+big tables' ids are indexed by the minute of a time their events carry (stored_ids,
+sample_revisions; filled by materialized views), so that check costs per batch, not per
+row stored.
 """
 
 from __future__ import annotations
@@ -86,6 +89,35 @@ SCHEMA = [
            toInt64(sum(accepted_delta)) AS accepted, toInt64(sum(judged_delta)) AS judged
     FROM samples GROUP BY tenant, policy_version, hour, source""",
 ]
+
+# The sink's duplicate checks are point lookups by the minute of a time each event carries
+# (stable across redeliveries), so they read the granules of the minutes a batch names,
+# however many rows are stored; small granules, as a lookup wants. Filled by materialized
+# views, so they see every insert. A sample's time is when it was served: every revision
+# and every re-emission of it carries the same one, and its lookup row carries what a
+# correction needs (reward, accepted).
+INDEXED_TIME = {"feedback_events": "timestamp", "trajectories": "timestamp", "requests": "timestamp"}
+SCHEMA += [
+    """CREATE TABLE IF NOT EXISTS stored_ids (
+        tbl LowCardinality(String), minute DateTime('UTC'), tenant String, event_id String
+    ) ENGINE = ReplacingMergeTree PARTITION BY toYYYYMM(minute) ORDER BY (tbl, minute, tenant, event_id)
+    SETTINGS index_granularity = 1024""",
+    *(f"""CREATE MATERIALIZED VIEW IF NOT EXISTS {table}_ids TO stored_ids AS
+    SELECT '{table}' AS tbl, toStartOfMinute({column}) AS minute, tenant, event_id FROM {table}"""
+      for table, column in INDEXED_TIME.items()),
+    """CREATE TABLE IF NOT EXISTS sample_revisions (
+        minute DateTime('UTC'), tenant String, sample_id String, revision UInt32, reward Float64,
+        accepted Nullable(UInt8)
+    ) ENGINE = ReplacingMergeTree PARTITION BY toYYYYMM(minute) ORDER BY (minute, tenant, sample_id, revision)
+    SETTINGS index_granularity = 1024""",
+]
+SAMPLE_REVISIONS = """SELECT toStartOfMinute(served_at) AS minute, tenant, sample_id, revision, reward, accepted
+    FROM samples"""
+SCHEMA.append(f"CREATE MATERIALIZED VIEW IF NOT EXISTS samples_revisions TO sample_revisions AS {SAMPLE_REVISIONS}")
+# A store made before the lookups has its rows indexed once, when they are created.
+BACKFILL = [*(f"INSERT INTO stored_ids SELECT '{table}', toStartOfMinute({column}), tenant, event_id FROM {table}"
+              for table, column in INDEXED_TIME.items()),
+            f"INSERT INTO sample_revisions {SAMPLE_REVISIONS}"]
 
 ROLLUP_SQL = """SELECT policy_version, hour, if(source = '', 'gateway', source) AS source, sum(samples) AS n,
     round(sum(reward_sum) / n, 4) AS mean_reward,
@@ -173,7 +205,10 @@ def open_warehouse(settings: Settings) -> Warehouse:
         backend = ChdbBackend(settings.data_dir / config.subdir)
     else:
         backend = ServerBackend(config)
+    indexed = query_json(backend, "EXISTS TABLE stored_ids")[0]["result"]
     for statement in SCHEMA:
+        backend.command(statement)
+    for statement in [] if indexed else BACKFILL:
         backend.command(statement)
     return backend
 

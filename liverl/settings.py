@@ -245,7 +245,15 @@ class FeedbackConfig(Config):
     reward_window_s: float = Field(
         3600.0, gt=0, description="How long after a completion feedback still joins it on time."
     )
-    sweep_interval_s: float = Field(5.0, gt=0, description="How often closed windows are swept.")
+    sweep_interval_s: float = Field(5.0, gt=0, description="How often due windows are closed while no events arrive.")
+    batch_events: int = Field(
+        2000, ge=1, description="Events the join takes at once (one table write per changed completion per batch).",
+    )
+    batch_s: float = Field(0.05, gt=0, le=5, description="How long the join waits to fill a batch before it goes on.")
+    max_unjoined_per_tenant: int = Field(
+        100_000, ge=1, description="Feedback events a tenant may have waiting for their trajectories; more go to "
+        "the dead-letter topic.",
+    )
     max_feedback_per_completion: int = Field(
         64, ge=1, description="Feedback events one completion may collect; more go to the dead-letter topic.",
     )

@@ -4,6 +4,8 @@ tenants may use one)."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
 import pytest
 
 from feedback.sink import Sink
@@ -20,9 +22,13 @@ def sink(tmp_path_factory) -> Sink:
     return Sink(warehouse)
 
 
+SERVED = datetime.now(UTC)  # every revision of a sample carries its trajectory, served once
+
+
 def sample(cid: str, revision: int, reward: float, accepted: bool | None, source: str = "gateway") -> bytes:
     trajectory = Trajectory(event_id=cid, tenant="acme", completion_id=cid, policy_version="v1", source=source,
-                            prompt_token_ids=[1], completion_token_ids=[2], completion_logprobs=[-1.0])
+                            timestamp=SERVED, prompt_token_ids=[1], completion_token_ids=[2],
+                            completion_logprobs=[-1.0])
     return encode(RewardedSample(sample_id=f"acme:{cid}", revision=revision, event_id=f"acme:{cid}:r{revision}",
                                  tenant="acme", reward=reward, reward_source="feedback",
                                  reward_fn_version="t", accepted=accepted, trajectory=trajectory))
@@ -53,6 +59,49 @@ def test_one_event_id_two_tenants_two_rows(sink):
     rows = query_json(sink.warehouse,
                       "SELECT tenant, count() AS n FROM feedback_events GROUP BY tenant ORDER BY tenant")
     assert rows == [{"tenant": "acme", "n": 1}, {"tenant": "globex", "n": 1}]
+
+
+def test_an_event_replayed_long_after_it_was_stored_is_stored_once(sink):
+    """No memory of recent ids decides it: a replay a year later, after other events in
+    other minutes, is found by the minute its own timestamp names."""
+    def event(event_id: str, at: str) -> bytes:
+        return encode(FeedbackEvent(event_id=event_id, tenant="acme", timestamp=at,
+                                    body={"kind": "accept", "completion_id": "old"}))
+
+    sink.store(Topics.FEEDBACK, [event("old-1", "2025-11-22T12:00:00Z")])
+    for minute in range(3):
+        sink.store(Topics.FEEDBACK, [event(f"new-{minute}-{i}", f"2026-11-22T12:0{minute}:00Z") for i in range(50)])
+    sink.store(Topics.FEEDBACK, [event("old-1", "2025-11-22T12:00:00Z"), event("new-1-7", "2026-11-22T12:01:00Z")])
+    rows = query_json(sink.warehouse, "SELECT event_id, count() AS n FROM feedback_events "
+                                      "WHERE event_id IN ('old-1', 'new-1-7') GROUP BY event_id ORDER BY event_id")
+    assert rows == [{"event_id": "new-1-7", "n": 1}, {"event_id": "old-1", "n": 1}]
+    # A sample revision re-emitted long after (the join recovering) is neither a row nor a count again.
+    sink.store(Topics.SAMPLES, [sample("late-1", 0, 1.0, True)])
+    before = rollup(sink)
+    sink.store(Topics.SAMPLES, [sample(f"other-{i}", 0, 0.0, False) for i in range(20)])
+    after = rollup(sink)
+    sink.store(Topics.SAMPLES, [sample("late-1", 0, 1.0, True)])
+    assert rollup(sink) == after != before
+    assert query_json(sink.warehouse, "SELECT count() AS n FROM samples WHERE sample_id = 'acme:late-1'") == [{"n": 1}]
+
+
+def test_revisions_of_many_samples_are_checked_with_one_query(sink):
+    sink.store(Topics.SAMPLES, [sample(f"many-{i}", 0, 0.0, False) for i in range(30)])
+    queries: list[str] = []
+    real = sink.warehouse.query
+
+    def counted(sql: str, fmt: str = "JSON") -> str:
+        queries.append(sql)
+        return real(sql, fmt)
+    sink.warehouse.query = counted  # type: ignore[method-assign]  # counts, the real chdb answers
+    try:
+        sink.store(Topics.SAMPLES, [sample(f"many-{i}", 1, 1.0, True) for i in range(30)])
+    finally:
+        sink.warehouse.query = real  # type: ignore[method-assign]
+    assert len(queries) == 1  # the stored revisions, which also say which are stored
+    rows = query_json(sink.warehouse, "SELECT sum(count_delta) AS n, sum(reward_delta) AS reward FROM samples "
+                                      "WHERE startsWith(sample_id, 'acme:many-')")
+    assert rows == [{"n": 30, "reward": 30}]
 
 
 def test_the_rollup_counts_rollouts_apart_from_production(sink):
