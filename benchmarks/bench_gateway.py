@@ -22,6 +22,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import psutil
@@ -153,12 +154,12 @@ async def measure(settings: Settings, rounds: int, requests: int, concurrency: i
     return results
 
 
-def report(results: list[Round]) -> dict:
+def report(results: list[Round]) -> dict[str, Any]:
     table = Table(title="the same completions, to the replica and through the gateway")
     for column in ("target", "req/s (median of rounds)", "range", "p50", "p99", "gateway CPU",
                    "gateway CPU per request", "broker+stream+sink CPU"):
         table.add_column(column, justify="right")
-    summary = {}
+    summary: dict[str, dict[str, Any]] = {}
     for target in ("replica", "gateway"):
         mine = [r for r in results if r.target == target]
         rates = [r.per_s for r in mine]

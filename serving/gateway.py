@@ -328,7 +328,7 @@ class Gateway:
             exchange.replica = replica = await self.route(request, body)
             return await self.forward(body, exchange, replica, chat)
         except Refused as refused:
-            await self.recorder.request(exchange, refused.response.status_code, error=refused.recorded)
+            self.recorder.request(exchange, refused.response.status_code, error=refused.recorded)
             return refused.response
 
     async def validate(self, request: Request, exchange: Exchange, chat: bool) -> dict[str, Any]:
@@ -421,13 +421,13 @@ class Gateway:
                     continue  # the usage chunk we asked for, the client did not
                 yield f"data: {json.dumps(for_client(chunk, body, gathered.completion_id, chat))}\n\n".encode()
             yield b"data: [DONE]\n\n"
-        finally:
-            await upstream.close()
+        finally:  # recorded before closing: a client's hang-up may cancel the close
             self.record(exchange, gathered, first_token)
+            await upstream.close()
 
     def record(self, exchange: Exchange, gathered: Accumulator, first_token: float | None) -> None:
         self.router.tokens_answered(gathered.tokens())
-        self.recorder.later(self.recorder.completion(exchange, gathered, first_token))
+        self.recorder.completion(exchange, gathered, first_token)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:

@@ -1,24 +1,29 @@
 """What the gateway records on Kafka: every choice it served as a trajectory, every
 request (served or refused) as a request record.
 
-Recording runs after the answer, in the background: a client never waits on the broker,
-hanging up mid-stream loses nothing, and serving never fails because analytics is down.
+Recording costs the serving loop a few microseconds a record: each is built and handed to
+librdkafka (confluent-kafka), which batches, sends and retries on its own threads, and
+the loop reads its delivery reports a few times a second. A client never waits on the
+broker, hanging up mid-stream loses nothing (the record is handed over before the
+connection is closed), and serving never fails because recording did.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, ParamSpec, Protocol
 
-from aiokafka import AIOKafkaProducer
+from confluent_kafka import KafkaException, Message, Producer
 from prometheus_client import Counter, Histogram
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from liverl.contracts import RequestRecord, SamplingParams, Topics, Trajectory, new_id
-from liverl.kafka import encode, make_producer
+from liverl.kafka import encode
 from liverl.keys import KeyRecord
 from liverl.observability import log, setup_logging
 from liverl.pool import Replica
@@ -28,6 +33,24 @@ REQUESTS = Counter("liverl_gateway_requests_total", "Requests", ["endpoint", "st
 LATENCY = Histogram("liverl_gateway_latency_seconds", "End-to-end latency", ["endpoint"])
 RECORD_FAILURES = Counter("liverl_gateway_record_failures_total", "Trajectories not recorded")
 logger = setup_logging("gateway")
+DELIVERY_TIMEOUT_S = 10.0  # a record the broker has not acknowledged by then is not recorded
+DELIVERY_REPORTS_EVERY_S = 0.1  # nothing waits on a report but the count of what was not recorded
+P = ParamSpec("P")
+
+
+def unfailing(record: Callable[P, None]) -> Callable[P, None]:
+    """Serving never fails because recording did: what a recording raises that nobody
+    foresaw is counted and logged, not raised into the request."""
+
+    @functools.wraps(record)
+    def recording(*args: P.args, **kwargs: P.kwargs) -> None:
+        try:
+            record(*args, **kwargs)
+        except Exception as error:
+            RECORD_FAILURES.inc()
+            log(logger, "recording failed", error=repr(error))
+
+    return recording
 
 
 class Asked(Protocol):
@@ -113,45 +136,58 @@ class Accumulator:
 
 
 class Recorder:
-    """The gateway's Kafka producer and the recordings it has under way."""
+    """The gateway's Kafka producer: each record handed to librdkafka as it is made."""
 
-    producer: AIOKafkaProducer  # made by start(), as the app starts
+    producer: Producer  # made by start(), as the app starts
 
     def __init__(self, settings: Settings):
         self.settings = settings
-        self.under_way: set[asyncio.Task] = set()
+        self.reports: asyncio.Task | None = None
 
     async def start(self) -> None:
-        self.producer = make_producer(self.settings)
-        await self.producer.start()
+        self.producer = Producer({
+            "bootstrap.servers": self.settings.bootstrap, "acks": "all",
+            # Java's and aiokafka's partitioner, as the ingest API's: feedback lands on the
+            # partition of its trajectory, and the join relies on it.
+            "partitioner": "murmur2_random",
+            "linger.ms": 5, "message.max.bytes": 4 * 1024 * 1024,
+            "message.timeout.ms": int(DELIVERY_TIMEOUT_S * 1000),
+            "on_delivery": self.delivered, "delivery.report.only.error": True,  # no call per record delivered
+            "logger": logging.getLogger("librdkafka"),
+        })
+        self.reports = asyncio.create_task(self.serve_delivery_reports())
 
     async def stop(self) -> None:
-        """Once every recording under way is sent."""
-        await asyncio.gather(*self.under_way)
-        await self.producer.stop()
+        """Once every record handed over is delivered, or counted as not recorded."""
+        if self.reports:
+            self.reports.cancel()
+        self.producer.flush(DELIVERY_TIMEOUT_S + 5)  # serves the last reports, failures included
 
-    def later(self, recording: Coroutine) -> None:
-        """Record after answering, and survive the client hanging up mid-stream."""
-        task = asyncio.create_task(recording)
-        self.under_way.add(task)
-        task.add_done_callback(self.settled)
+    async def serve_delivery_reports(self) -> None:
+        while True:
+            self.producer.poll(0)
+            await asyncio.sleep(DELIVERY_REPORTS_EVERY_S)
 
-    def settled(self, task: asyncio.Task) -> None:
-        self.under_way.discard(task)
-        if not task.cancelled() and (error := task.exception()) is not None:
-            RECORD_FAILURES.inc()  # a recording that failed in a way nobody foresaw is still counted
-            log(logger, "recording failed", error=repr(error))
-
-    async def send(self, event: Trajectory | RequestRecord, topic: str, partition_key: str) -> None:
+    def hand_over(self, topic: str, key: str, event: BaseModel) -> None:
+        """The one place a record leaves the gateway: to the producer, or, if it cannot
+        take it (its queue full while the broker is away), to `not_delivered`."""
+        value = encode(event)
         try:
-            await asyncio.wait_for(
-                await self.producer.send(topic, encode(event), key=partition_key.encode()), 10
-            )
-        except Exception as error:  # serving never fails because analytics is down
-            RECORD_FAILURES.inc()
-            log(logger, "could not record", topic=topic, error=repr(error))
+            self.producer.produce(topic, value, key.encode())
+        except (BufferError, KafkaException) as error:
+            self.not_delivered(topic, key.encode(), value, repr(error))
 
-    async def completion(self, exchange: Exchange, gathered: Accumulator, first_token: float | None) -> None:
+    def delivered(self, error: object, message: Message) -> None:
+        if error is not None:  # only errors are reported
+            self.not_delivered(message.topic(), message.key(), message.value(), str(error))
+
+    def not_delivered(self, topic: str | None, key: bytes | None, value: bytes | None, why: str) -> None:
+        """A record the broker did not take: counted and logged (analytics may be down)."""
+        RECORD_FAILURES.inc()
+        log(logger, "could not record", topic=topic, error=why)
+
+    @unfailing
+    def completion(self, exchange: Exchange, gathered: Accumulator, first_token: float | None) -> None:
         """Each choice as a trajectory, and the request. A choice that cannot be recorded
         is counted and named in the request's row, never silently lost."""
         asked, replica = exchange.asked, exchange.replica
@@ -177,20 +213,21 @@ class Recorder:
                 RECORD_FAILURES.inc()
                 failed.append(f"{choice.completion_id}: {error.errors()[0]['msg']}")
                 continue
-            await self.send(trajectory, Topics.TRAJECTORIES, choice.completion_id)
+            self.hand_over(Topics.TRAJECTORIES, choice.completion_id, trajectory)
         not_recorded = f"not recorded: {'; '.join(failed)}"[:500] if failed else None
-        await self.request(exchange, 200, gathered.completion_id, not_recorded, latency)
+        self.request(exchange, 200, gathered.completion_id, not_recorded, latency)
 
-    async def request(self, exchange: Exchange, status: int, completion_id: str | None = None,
-                      error: str | None = None, latency: float | None = None) -> None:
+    @unfailing
+    def request(self, exchange: Exchange, status: int, completion_id: str | None = None,
+                error: str | None = None, latency: float | None = None) -> None:
         """The request's row (and its metrics): by the time it was answered unless `latency` says."""
         latency = exchange.elapsed_ms() if latency is None else latency
         replica = exchange.replica
         version = replica.policy_version if replica else None
         REQUESTS.labels(exchange.endpoint, str(status), version or "none").inc()
         LATENCY.labels(exchange.endpoint).observe(latency / 1000)
-        await self.send(RequestRecord(
+        self.hand_over(Topics.REQUESTS, completion_id or exchange.caller.tenant, RequestRecord(
             event_id=new_id("req"), tenant=exchange.caller.tenant, completion_id=completion_id,
             policy_version=version, replica=replica.name if replica else None,
             endpoint=exchange.endpoint, status=status, error=error, latency_ms=latency, stream=exchange.stream,
-        ), Topics.REQUESTS, completion_id or exchange.caller.tenant)
+        ))

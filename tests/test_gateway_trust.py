@@ -7,6 +7,7 @@ import asyncio
 import json
 import math
 import re
+import socket
 
 import httpx
 import pytest
@@ -15,8 +16,9 @@ from helpers import sql, wait_for
 from prometheus_client import generate_latest
 
 import serving.gateway
+import serving.recorder
 from liverl.keys import KeyStore
-from liverl.settings import ServingConfig, Settings
+from liverl.settings import EmbeddedBroker, ServingConfig, Settings
 from serving.gateway import create_app, upstream_error
 
 
@@ -29,6 +31,12 @@ def gateway(settings, dev_keys):
 
 def inflight(settings) -> list[int]:
     return [r["inflight"] for r in httpx.get(settings.url(settings.ports.gateway) + "/health").json()["replicas"]]
+
+
+def record_failures() -> float:
+    """This process's count of records not recorded (gateways made in the test run here)."""
+    text = generate_latest().decode()
+    return float(re.search(r"^liverl_gateway_record_failures_total ([0-9.e+]+)$", text, re.M).group(1))
 
 
 @pytest.mark.parametrize("group_id", ["has space", "a/b", "x" * 129])
@@ -114,9 +122,6 @@ def test_a_choice_that_cannot_be_recorded_is_counted_and_named(settings, dev_key
     monkeypatch.setattr(serving.gateway, "replica_async_client",
                         lambda url, timeout: httpx.AsyncClient(transport=fake, base_url="http://replica"))
 
-    def failures(text: str) -> float:
-        return float(re.search(r"^liverl_gateway_record_failures_total ([0-9.e+]+)$", text, re.M).group(1))
-
     async def go() -> httpx.Response:
         app = create_app(settings)
         async with app.router.lifespan_context(app):
@@ -124,11 +129,37 @@ def test_a_choice_that_cannot_be_recorded_is_counted_and_named(settings, dev_key
                 return await http.post("/v1/completions", json={"prompt": "x = ", "max_tokens": 1},
                                            headers={"Authorization": f"Bearer {dev_keys['tenant_key']}"})
 
-    before = failures(generate_latest().decode())
+    before = record_failures()
     response = asyncio.run(go())  # the lifespan's end waits for the recording
-    after = failures(generate_latest().decode())
+    after = record_failures()
     assert response.status_code == 200 and after == before + 1
     cid = response.json()["completion_id"]
     rows = wait_for(lambda: sql(settings, f"SELECT status, error FROM requests WHERE completion_id = '{cid}'"))
     assert rows[0]["status"] == 200 and "not recorded" in rows[0]["error"] and cid in rows[0]["error"]
     assert sql(settings, f"SELECT count() AS n FROM trajectories WHERE completion_id = '{cid}'")[0]["n"] == 0
+
+
+def test_a_client_that_hangs_up_mid_stream_still_has_its_completion_recorded(settings, gateway):
+    body = {"prompt": "def f(", "max_tokens": 48, "ignore_eos": True, "stream": True}
+    with gateway.stream("POST", "/v1/completions", json=body) as response:
+        cid = response.headers["x-liverl-completion-id"]
+        next(response.iter_lines())  # the first chunk, then hang up
+    query = f"SELECT count() AS n FROM trajectories WHERE completion_id = '{cid}'"
+    assert wait_for(lambda: sql(settings, query)[0]["n"]) == 1
+
+
+def test_serving_goes_on_while_the_broker_is_away(settings, dev_keys, monkeypatch):
+    """The broker is a port nobody listens on (a real one cannot be made to vanish on
+    demand): the gateway starts, answers and refuses as ever, and counts every record the
+    broker never took (by the time it stops, after the delivery timeout)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        away = settings.model_copy(update={"broker": EmbeddedBroker(port=s.getsockname()[1])})
+    monkeypatch.setattr(serving.recorder, "DELIVERY_TIMEOUT_S", 1.0)
+    headers = {"Authorization": f"Bearer {dev_keys['tenant_key']}"}
+    before = record_failures()
+    with TestClient(create_app(away)) as gateway:
+        served = gateway.post("/v1/completions", json={"prompt": "x = ", "max_tokens": 2}, headers=headers)
+        refused = gateway.post("/v1/completions", json={"prompt": "x = ", "max_tokens": 0}, headers=headers)
+    assert served.status_code == 200 and refused.status_code == 400
+    assert record_failures() == before + 3  # the trajectory, its request's row, the refusal's row
