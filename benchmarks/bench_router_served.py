@@ -24,8 +24,10 @@ and fp32 without capture (the overhead's baseline). Per version:
   accept rule is not the point here; alternating +1/-1), exports the version (bf16) and
   both capturing replicas load it in place.
 
-Capture overhead: generated tokens/s of the fp32 replicas with and without capture, 64
-completions of 64 tokens at concurrency 32, runs alternating, `--overhead-runs` each.
+Capture overhead: generated tokens/s of the fp32 replicas with and without capture, and the
+replica's CPU time per generated token (its API server and engine together: less at the
+mercy of whatever else the machine runs than wall time), 64 completions of 64 tokens at
+concurrency 32, runs alternating, `--overhead-runs` each.
 Between the replica and the learner the stack carries the trajectory untouched (gateway,
 Kafka, join: tests/test_router_capture.py checks that byte for byte); this script goes
 replica -> learner directly so that it needs no stack.
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -186,22 +189,42 @@ def batch_variance(url: str, samples: list[RewardedSample]) -> dict:
 
 
 # --- capture overhead --------------------------------------------------------------------------
-def throughput(url: str, prompts: list[str]) -> float:
+def cpu_seconds(session: int) -> float:
+    """CPU time (user + system) of every process of a replica's session: API server and engine."""
+    ticks = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == session:  # the process group: spawn() starts each replica in its own session
+            ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def throughput(url: str, prompts: list[str], session: int | None = None) -> tuple[float, float | None]:
+    """Generated tokens/s, and the replica's CPU microseconds per generated token."""
     bodies = [upstream_body({"prompt": p, "max_tokens": 64, "temperature": 1.0, "ignore_eos": True}, chat=False)
               for p in prompts]
-    t = time.perf_counter()
+    cpu, t = cpu_seconds(session) if session else 0.0, time.perf_counter()
     answers = asyncio.run(ask(url, bodies, 32))
-    return sum(len(a["choices"][0]["token_ids"]) for a in answers) / (time.perf_counter() - t)
+    tokens = sum(len(a["choices"][0]["token_ids"]) for a in answers)
+    return tokens / (time.perf_counter() - t), (cpu_seconds(session) - cpu) / tokens * 1e6 if session else None
 
 
-def overhead(urls: dict[str, str], prompts: list[str], runs: int) -> dict:
-    throughput(urls["fp32"], prompts[:8])  # warm both
-    throughput(urls["fp32-nocapture"], prompts[:8])
-    rates: dict[str, list[float]] = {"capture": [], "no capture": []}
-    for _ in range(runs):  # alternating, so the machine's other load falls on both alike
-        rates["no capture"].append(throughput(urls["fp32-nocapture"], prompts))
-        rates["capture"].append(throughput(urls["fp32"], prompts))
-    return {k: {"runs": v, "median": statistics.median(v)} for k, v in rates.items()}
+def overhead(replicas: dict[str, tuple[str, subprocess.Popen]], prompts: list[str], runs: int) -> dict:
+    """With and without capture, alternating (the machine's other load falls on both alike)."""
+    pair = {"capture": replicas["fp32"], "no capture": replicas["fp32-nocapture"]}
+    for url, _ in pair.values():
+        throughput(url, prompts[:8])  # warm
+    measured: dict[str, list[tuple[float, float | None]]] = {k: [] for k in pair}
+    for i in range(runs):
+        for k in (list(pair) if i % 2 else list(pair)[::-1]):
+            measured[k].append(throughput(pair[k][0], prompts, pair[k][1].pid))
+    return {k: {"tokens_per_s": [m[0] for m in v], "cpu_us_per_token": [m[1] for m in v],
+                "median_tokens_per_s": statistics.median(m[0] for m in v),
+                "median_cpu_us_per_token": statistics.median(m[1] for m in v if m[1] is not None)}
+            for k, v in measured.items()}
 
 
 # --- the run ---------------------------------------------------------------------------------------
@@ -250,7 +273,7 @@ def main(versions: int = typer.Option(3, help="Versions served, measured and tra
             trainer.export(version_dir)
             for name in ("bf16", "fp32"):
                 load_in_place(urls[name], version_dir)
-        result = {"versions": rows, "overhead": overhead(urls, prompts, overhead_runs)}
+        result = {"versions": rows, "overhead": overhead(replicas, prompts, overhead_runs)}
     finally:
         for _, process in replicas.values():
             process.terminate()
@@ -272,8 +295,13 @@ def report(result: dict) -> None:
                       f"{r['batch']['routing_differs']:.2%}", f"{r['bytes_per_token']:.1f}")
     console.print(table)
     o = result["overhead"]
-    console.print(f"generated tokens/s, fp32: without capture {o['no capture']}, with {o['capture']}; "
-                  f"overhead {1 - o['capture']['median'] / o['no capture']['median']:.1%} (medians)")
+    for k, v in o.items():
+        console.print(f"fp32 {k}: tokens/s {[round(x) for x in v['tokens_per_s']]}, CPU us/token "
+                      f"{[round(x) for x in v['cpu_us_per_token']]}")
+    on, off = o["capture"], o["no capture"]
+    slower = 1 - on["median_tokens_per_s"] / off["median_tokens_per_s"]
+    dearer = on["median_cpu_us_per_token"] / off["median_cpu_us_per_token"] - 1
+    console.print(f"capture overhead (medians): throughput {slower:.1%}, CPU per token {dearer:.1%}")
 
 
 if __name__ == "__main__":

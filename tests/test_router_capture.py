@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import concurrent.futures
 import io
+import re
 import uuid
 from pathlib import Path
 
@@ -64,20 +65,33 @@ def accept_and_join(settings: Settings, api: httpx.Client, answers: list[dict]) 
 
 @pytest.fixture(scope="module")
 def bf16_replica(settings: Settings, stack):
-    """One replica of the stable version computing in bf16 (the stack's compute in fp32)."""
-    from serving.replicas import launch_replica, replica_url, wait_replica
+    """One replica of the stable version computing in bf16 (the stack's compute in fp32), its
+    KV cache cut to 6 blocks of 128 tokens so that concurrent requests preempt each other."""
+    from liverl.process import spawn
+    from serving.replicas import replica_command, replica_env, replica_url, wait_replica
 
     stable = Registry(settings.policies_dir).stable()
     assert stable is not None
     bf16 = settings.model_copy(update={"serving": settings.serving.model_copy(update={"dtype": "bfloat16"})})
-    replica, process = launch_replica(bf16, "replica-7", Path(stable.model_dir), replica_url(settings, 7),
-                                      stable.version)
+    url = replica_url(settings, 7)
+    process = spawn([*replica_command(bf16, Path(stable.model_dir), url), "--num-gpu-blocks-override", "6"],
+                    replica_env(bf16), settings.run_dir / "replica-7-bf16.log")
+    replica = Replica(name="replica-7", url=url, policy_version=stable.version, model_dir=stable.model_dir,
+                      pid=process.pid)
     try:
         wait_replica(bf16, replica, process)
         yield replica
     finally:
         process.terminate()
         process.wait(60)
+
+
+def preemptions(url: str) -> float:
+    from liverl.pool import replica_client
+
+    with replica_client(url) as http:
+        return float(re.search(r"^vllm:num_preemptions_total\{[^}]*\} ([0-9.e+]+)$", http.get("/metrics").text,
+                               re.M).group(1))
 
 
 def only_replica(settings: Settings, replica: Replica):
@@ -119,6 +133,7 @@ def test_the_learner_trains_through_the_experts_a_bf16_replica_routed_to(setting
             answers = [first, *pool.map(lambda s: complete(settings, key, PREFIX + s), SUFFIXES[1:] * 2)]
     finally:
         restore(settings, bf16_replica, others)
+    assert preemptions(bf16_replica.url) > 0  # 9 requests of 2 blocks each in 6: some were recomputed
     samples = {s.trajectory.completion_id: s for s in accept_and_join(settings, api, [aligned, *answers])}
 
     # What the learner received is what the replica answered, token for token and layer for layer.
