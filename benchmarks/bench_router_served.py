@@ -27,7 +27,7 @@ and fp32 without capture (the overhead's baseline). Per version:
 Capture overhead: generated tokens/s of the fp32 replicas with and without capture, and the
 replica's CPU time per generated token (its API server and engine together: less at the
 mercy of whatever else the machine runs than wall time), 64 completions of 64 tokens at
-concurrency 32, runs alternating, `--overhead-runs` each.
+concurrency 32, runs alternating, `--overhead-runs` each, before any version is swapped in.
 Between the replica and the learner the stack carries the trajectory untouched (gateway,
 Kafka, join: tests/test_router_capture.py checks that byte for byte); this script goes
 replica -> learner directly so that it needs no stack.
@@ -257,6 +257,8 @@ def main(versions: int = typer.Option(3, help="Versions served, measured and tra
     urls = {name: url for name, (url, _) in replicas.items()}
     rows: list[dict] = []
     try:
+        # First, while both fp32 replicas hold the same, never swapped weights.
+        result: dict = {"overhead": overhead(replicas, prompts, overhead_runs)}
         previous = None
         for v in range(versions):
             console.print(f"[bold]v{v}[/]")
@@ -273,7 +275,7 @@ def main(versions: int = typer.Option(3, help="Versions served, measured and tra
             trainer.export(version_dir)
             for name in ("bf16", "fp32"):
                 load_in_place(urls[name], version_dir)
-        result = {"versions": rows, "overhead": overhead(replicas, prompts, overhead_runs)}
+        result["versions"] = rows
     finally:
         for _, process in replicas.values():
             process.terminate()

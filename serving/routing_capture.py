@@ -38,6 +38,7 @@ import os
 from typing import Any
 
 CAPTURE_ENV = "LIVERL_CAPTURE_ROUTING"
+STORE_MARGIN = 4
 
 
 def wanted() -> bool:
@@ -87,9 +88,20 @@ def _capturer(runner: Any) -> Any:
 
 
 def _build_connector(runner: Any, kv_cache_config: Any) -> Any:
-    """vLLM's worker connector around the capturer already bound to this runner's model."""
+    """vLLM's worker connector around the capturer already bound to this runner's model, its
+    block store STORE_MARGIN times vLLM's default (as many blocks as the KV cache holds).
+    The store and the KV cache evict on their own LRUs: a prompt block the KV cache still
+    holds whose routing the store dropped fails the request ("increase max_bytes", vLLM says).
+    The routing is under 1% of the KV cache's bytes (top-k ids against keys and values)."""
     from vllm.distributed.aux_output_connector import worker
+    from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
 
+    capturer, flags = runner.liverl_capturer, runner.vllm_config.aux_output_config
+    if flags.max_bytes is None:
+        kv_block, hash_block = resolve_kv_cache_block_sizes(kv_cache_config, runner.vllm_config)
+        ids = capturer.shape_per_token[0] * capturer.shape_per_token[1]
+        hash_blocks = kv_cache_config.num_blocks * (kv_block // hash_block)
+        flags.max_bytes = STORE_MARGIN * hash_blocks * hash_block * ids * capturer.output_dtype.itemsize
     with _swapped(worker, "RoutedExpertsCapturer", lambda **_: runner.liverl_capturer):
         return worker.get_aux_output_connector(runner.get_model(), runner.vllm_config, kv_cache_config)
 
