@@ -784,4 +784,13 @@ def demo_settings(day: bool = False) -> Settings:
         # one token an update favours those and stops after a name's first token.
         defaults["rollouts"] = {"environment": "coding", "levels": [1, 2], "group_size": 8, "max_tokens": 16,
                                 "train_params": "wide", "heldout_every_s": 60.0}
+        # Rollouts come in the troughs only, and a day of production feedback alone trains the
+        # coding skill away (22% -> 0%: issue 46): each version trains eight of the rollout groups
+        # trained before again beside production's (learner/mix.py; docs/learning.md, "Training
+        # for both", chose eight); the skill guard holds a candidate that lost the skill anyway.
+        defaults["learner"] |= {"replay_groups": 8}
+        # Each canary waits for the candidate's held-out figures (the skill guard), about a second
+        # of CPU once the starter's lines are scored: at nice 19 beside a peak (and other work on
+        # the machine) the starter's took 158 s (Nov 28). At 5, production still comes first.
+        defaults["rollouts"] |= {"heldout_nice": 5}
     return settings_with_defaults(defaults, data_dir=Settings().data_dir / "demo")

@@ -89,7 +89,7 @@ def main(seeds: list[int] = typer.Option([0, 1, 2, 3, 4], help="One day per seed
          set_: list[str] = typer.Option([], "--set", help="VAR=VALUE settings for every run.")) -> None:
     env = dict(item.split("=", 1) for item in set_)
     env["LIVERL_PORTS"] = json.dumps({name: port + port_offset for name, port in PORTS.items()})
-    env["LIVERL_BROKER__PORT"] = str(19092 + port_offset)
+    env["LIVERL_BROKER"] = json.dumps({"kind": "embedded", "port": 19092 + port_offset})
     rows = []
     for seed in seeds:
         console.print(f"seed {seed}: liverl demo --load day --minutes {minutes} --day-minutes {day_minutes} "

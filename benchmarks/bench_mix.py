@@ -165,8 +165,12 @@ def main(policy: str = typer.Option("none", help="none, replay, anchor, rise or 
          stable_lag: int = 3, canary_lag: int = 1,
          set_: list[str] = typer.Option([], "--set", help="LearnerConfig field=value"), jobs: int = 1,
          out: Path = Path("bench-mix/run")) -> None:
-    overrides = {k: json.loads(v) if v[:1].isdigit() or v in ("true", "false") else v
-                 for k, _, v in (item.partition("=") for item in set_)}
+    overrides = {}
+    for key, _, value in (item.partition("=") for item in set_):
+        try:
+            overrides[key] = json.loads(value)  # numbers, true/false, lists
+        except ValueError:
+            overrides[key] = value  # a word: kl_reference=stable
     learner_config(overrides)  # a bad setting stops here
     build_starter_policy(Settings().starter.cache_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -560,6 +560,9 @@ class RolloutsConfig(Config):
                                "every time).")
     heldout_poll_s: float = Field(1.0, gt=0, description="How often the evaluator looks for a candidate the "
                                   "promotion controller's skill guard waits on (scored before its canary).")
+    heldout_nice: int = Field(19, ge=0, le=19, description="CPU niceness the evaluator runs at (it sets its own "
+                              "where allowed): 19 leaves it what no one else wants, which on busy cores holds every "
+                              "canary waiting for a skill verdict.")
 
 
 CONFIG_FILE_VARIABLE = "LIVERL_CONFIG_FILE"

@@ -500,9 +500,14 @@ class Controller:
 
     # --- the skill guard -----------------------------------------------------------------------
     def evaluator_answers(self) -> bool:
-        """Whether the held-out evaluator runs: only then is there skill evidence to wait for."""
+        """Whether the held-out evaluator runs: only then is there skill evidence to wait for.
+        Where `liverl up` starts it (with the rollouts), it is waited for even while it does
+        not answer: at its low priority on busy cores it may be slow to, and a candidate must
+        not pass for want of an answer."""
         if not self.config.skill_guard or self.settings.rollouts.heldout_every_s is None:
             return False
+        if self.settings.capacity.enabled:
+            return True
         try:
             return self.http.get(self.settings.url(self.settings.ports.evaluator) + "/health", timeout=2).is_success
         except httpx.HTTPError:

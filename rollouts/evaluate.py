@@ -9,9 +9,6 @@ from collections.abc import MutableMapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
 from rollouts.environment import Environment, Task
 
 
@@ -22,6 +19,8 @@ def task_set(tasks: list[Task]) -> str:
 
 def first_lines(model, tokenizer, task: Task, samples: int, greedy: bool, max_tokens: int) -> list[str]:
     """`samples` completions of the task (greedy, or at temperature 1), each to its first line."""
+    import torch
+
     ids = tokenizer(task.prompt, return_tensors="pt").input_ids
     out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=not greedy,
                          temperature=None if greedy else 1.0, top_p=None, top_k=None,
@@ -38,7 +37,8 @@ def greedy_first_lines(model, tokenizer, tasks: list[Task], max_tokens: int, bat
     for start in range(0, len(tasks), batch):
         enc = tokenizer([t.prompt for t in tasks[start:start + batch]], return_tensors="pt", padding=True)
         out = model.generate(**enc, do_sample=False, temperature=None, top_p=None, top_k=None,
-                             max_new_tokens=max_tokens, pad_token_id=tokenizer.pad_token_id)
+                             max_new_tokens=max_tokens, pad_token_id=tokenizer.pad_token_id,
+                             stop_strings=["\n"], tokenizer=tokenizer)  # only the first line is scored
         lines += [tokenizer.decode(row[enc.input_ids.shape[1]:], skip_special_tokens=True).split("\n")[0]
                   for row in out]
     return lines
@@ -49,6 +49,9 @@ def greedy_solved(model_dir: Path, environment: Environment, tasks: list[Task], 
     """Whether the policy at `model_dir` solves each of `tasks` with its greedy completion.
     `known` keeps (task, first line) -> solved across calls: consecutive versions write the
     same line for most tasks, and the sandbox run is most of an evaluation's cost."""
+    import torch  # here, not at the top: the evaluator answers its health check before torch loads
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():

@@ -18,12 +18,12 @@ the sandbox once (consecutive versions write the same line for most tasks).
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-import torch
 from fastapi import FastAPI
 
 from liverl.http import service_app
@@ -90,6 +90,13 @@ class Evaluator:
         return figures
 
     def run(self, stop: threading.Event) -> None:
+        import torch  # after the health check answers: on busy cores at nice 19, torch takes a while to load
+
+        torch.set_num_threads(1)  # and a low priority (rollouts.heldout_nice): production and rollouts first
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, self.config.heldout_nice)
+        except PermissionError as error:  # a lower niceness than it was started at needs the privilege
+            log(logger, "could not set the evaluator's niceness", nice=self.config.heldout_nice, error=repr(error))
         while not stop.is_set():
             try:
                 scored = self.step()
@@ -108,7 +115,6 @@ def create_app(evaluator: Evaluator) -> FastAPI:
 
 
 if __name__ == "__main__":
-    torch.set_num_threads(1)  # and `liverl up` starts it at the lowest priority: production and rollouts first
     settings = get_settings()
     if settings.rollouts.heldout_every_s is None:  # compose starts it whatever the settings say
         raise SystemExit("the held-out evaluator needs LIVERL_ROLLOUTS__HELDOUT_EVERY_S (seconds between evaluations)")

@@ -193,3 +193,54 @@ def test_the_held_out_curve_keeps_what_the_evaluator_recorded_and_scores_the_res
     afterwards = greedy_pass_rate(starter_dir, environment, held)  # the same weights as the starter's
     assert [(p["version"], p["pass_rate"], p["measured"]) for p in points[3:]] == [
         (other_tasks, afterwards, "after"), (unscored, afterwards, "after")]
+
+
+def test_each_stable_version_shows_production_and_held_out_skill_side_by_side(tmp_path, starter_dir):
+    """The day's summary: per version that was stable, in that order, its production accept
+    rate and its held-out pass rate on the day's tasks, whether it is below the starter by
+    the held-out watch's test; and the candidates the skill guard held, with its verdict."""
+    import shutil
+
+    from app.demo import held_for_skill, stable_skill
+    from liverl.settings import RolloutsConfig, Settings
+    from policies.registry import Registry
+    from rollouts.coding import CodingEnvironment
+    from rollouts.evaluate import task_set
+
+    settings = Settings(data_dir=tmp_path, rollouts=RolloutsConfig(levels=[1]))
+    registry = Registry(settings.policies_dir)
+    tasks = task_set(CodingEnvironment(levels=[1]).heldout(10))
+
+    def version(solved: str | None, parent: str | None, state: str = "candidate") -> str:
+        staged = tmp_path / f"staged-{len(registry.versions())}"
+        shutil.copytree(starter_dir, staged)
+        v = registry.publish(staged, parent=parent, window=None, metrics={}, sample_ids=[], actor="test",
+                             state=state).version
+        if solved is not None:
+            registry.update_metrics(v, heldout={"pass_rate": solved.count("1") / 10, "tasks": 10, "solved": solved,
+                                                "task_set": tasks})
+        return v
+
+    def promote(v: str) -> None:
+        old = registry.stable().version
+        registry.transition(v, "canary", "test", "gate passed")
+        registry.transition(old, "superseded", "test", f"{v} promoted")
+        registry.transition(v, "stable", "test", "non-inferior")
+
+    v0 = version("1111100000", None, "stable")
+    v1 = version("1111111000", v0)
+    promote(v1)
+    v2 = version("0000000000", v1)  # held: never stable
+    registry.update_metrics(v2, skill={"verdict": "held"})
+    registry.transition(v2, "rejected", "controller", "held for skill: coding: held-out pass rate 0.000 ...")
+    v3 = version("1000000000", v1)  # four of the starter's five lost: p 1/16, not below by the test
+    promote(v3)
+    v4 = version("0000000000", v3)  # all five lost: p 1/32, below
+    promote(v4)
+    rows = [{"policy_version": v, "n": n, "accept_rate": rate} for v, n, rate in [(v0, 300, 0.25), (v1, 200, 0.9)]]
+    assert [(r["version"], r["accept_rate"], r["served"], r["heldout_pass_rate"], r["below_starter"])
+            for r in stable_skill(settings, rows, 10)] == [
+        (v0, 0.25, 300, 0.5, False), (v1, 0.9, 200, 0.7, False), (v3, None, 0, 0.1, False),
+        (v4, None, 0, 0.0, True)]
+    assert [(h["version"], h["pass_rate"]) for h in held_for_skill(settings)] == [(v2, 0.0)]
+    assert held_for_skill(settings)[0]["reason"].startswith("held for skill: coding")
