@@ -11,7 +11,8 @@ A write's cost barely depends on its size, so the sink gathers what arrives with
 With `--stored N`, feedback_events and samples first get N rows each (a month of history,
 through SQL, so the materialized views see them as they see the sink's writes), then the
 sink stores `--batches` batches of `--batch` fresh feedback events, and as many batches of
-samples of which a tenth are revisions of stored samples; each batch's wall and CPU time.
+samples of which a tenth are revisions of stored samples (once the fill's merges are done);
+each batch's wall and CPU time (CPU: the process, chdb's threads included).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from rich.console import Console
 from rich.table import Table
 
 from feedback.sink import Sink
-from feedback.warehouse import open_warehouse
+from feedback.warehouse import open_warehouse, query_json
 from liverl.contracts import FeedbackEvent, RequestRecord, RewardedSample, Topics, Trajectory
 from liverl.kafka import encode
 from liverl.settings import Settings
@@ -79,6 +80,13 @@ def samples(n: int, stored: int) -> list[bytes]:
     return out
 
 
+def settle(sink: Sink, timeout_s: float = 600) -> None:
+    """Until the fill's merges are done: a batch is timed against a store at rest, not beside them."""
+    deadline = time.time() + timeout_s
+    while query_json(sink.warehouse, "SELECT count() AS n FROM system.merges")[0]["n"] and time.time() < deadline:
+        time.sleep(1)
+
+
 def by_table_size(sizes: list[int], batch: int, batches: int) -> None:
     table = Table(title=f"sink batches of {batch} against the rows already stored (median of {batches} batches "
                         "each; range in brackets)")
@@ -92,6 +100,7 @@ def by_table_size(sizes: list[int], batch: int, batches: int) -> None:
             for sql in FILL.values():
                 sink.warehouse.command(sql.format(n=size))
             fill = time.time() - started
+            settle(sink)
             cells = []
             for topic, make in ((Topics.FEEDBACK, lambda: feedback_events(batch)),
                                 (Topics.SAMPLES, lambda: samples(batch, size))):  # noqa: B023 (called in this iteration)

@@ -87,6 +87,10 @@ def produce_backlog(settings: Settings, events: int, lag: int) -> None:
 def start_broker(settings: Settings, log: Path) -> subprocess.Popen:
     assert isinstance(settings.broker, EmbeddedBroker)
     listener = f"tcp://{settings.host}:{settings.broker.port}"
+    with socket.socket() as probe:
+        if probe.connect_ex((settings.host, settings.broker.port)) == 0:
+            raise RuntimeError(f"port {settings.broker.port} is taken: another broker (another run?); "
+                               "pick another --port-offset")
     process = subprocess.Popen([str(tansu_binary()), "broker", "--cluster-id", "bench-stream",
                                 "--listener-url", listener, "--advertised-listener-url", listener,
                                 "--storage-engine", "memory://tansu/"],

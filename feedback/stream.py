@@ -18,6 +18,7 @@ no events arrive.
 from __future__ import annotations
 
 import asyncio
+import collections
 import gc
 import logging
 import time
@@ -69,6 +70,7 @@ app = faust.App(
     producer_acks=-1,
     datadir=str(settings.data_dir / "faust"),
     consumer_auto_offset_reset="earliest",
+    stream_buffer_maxsize=2 * settings.feedback.batch_events,  # the next batch fills while one is processed
 )
 raw: dict[str, Any] = {"key_serializer": "raw", "value_serializer": "raw"}
 incoming = app.topic(Topics.TRAJECTORIES, Topics.FEEDBACK, **raw)
@@ -132,10 +134,10 @@ async def send(out: Emitted) -> None:
     for letter in out.dead_letters:
         # Keyed by the digest its id is made of, so the same refusal lands on one partition.
         outbox.produce(Topics.DEAD_LETTER, letter.event_id.removeprefix("dlq-").encode(), encode(letter))
-    for topic, outcome in out.counts:
-        EVENTS.labels(topic, outcome).inc()
-    for tenant in out.overflowed:
-        UNJOINED_OVERFLOW.labels(tenant).inc()
+    for (topic, outcome), n in collections.Counter(out.counts).items():  # a metric's labels() once per batch
+        EVENTS.labels(topic, outcome).inc(n)
+    for tenant, n in collections.Counter(out.overflowed).items():
+        UNJOINED_OVERFLOW.labels(tenant).inc(n)
     changelog = completions.changelog_topic.get_topic_name()
     for key, partition in feedback_join.take_changed().items():
         state = feedback_join.states.get(key)

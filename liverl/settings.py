@@ -251,8 +251,8 @@ class FeedbackConfig(Config):
     )
     batch_s: float = Field(0.05, gt=0, le=5, description="How long the join waits to fill a batch before it goes on.")
     max_unjoined_per_tenant: int = Field(
-        100_000, ge=1, description="Feedback events a tenant may have waiting for their trajectories; more go to "
-        "the dead-letter topic.",
+        1_000_000, ge=1, description="Feedback events a tenant may have waiting for their trajectories (about "
+        "1 KB each); more go to the dead-letter topic.",
     )
     max_feedback_per_completion: int = Field(
         64, ge=1, description="Feedback events one completion may collect; more go to the dead-letter topic.",
