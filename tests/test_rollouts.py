@@ -11,6 +11,7 @@ import httpx
 import torch
 from helpers import wait_for
 
+from learner import router_replay
 from learner.segments import segments
 from learner.trainer import Trainer, collate, problem, token_logprobs
 from liverl.contracts import RewardedSample, Trajectory
@@ -107,6 +108,13 @@ def test_a_multi_turn_task_is_served_summarised_scored_and_trained(settings, pau
         written = batch.completion_mask.bool()
         # bf16 weights served in fp32 by vLLM, fp32 here: the same contexts agree closely.
         assert (logp - batch.behaviour_logp)[written].abs().mean() < 0.05
+        # Each segment carries the replica's routing (turn by turn) and the learner runs it.
+        assert batch.routing is not None
+        known = (batch.routing >= 0).all(-1)
+        assert known.reshape(-1, *batch.input_ids.shape).any(-1).all()  # in every segment
+        with torch.no_grad(), router_replay.replay(trainer.model, batch.routing):
+            token_logprobs(trainer.model, batch)
+        assert torch.equal(router_replay.used_routing(trainer.model)[known], batch.routing[known])
     versions = train_and_wait(settings, groups)
     for group in groups:
         assert len({versions[f"rollouts:{t.completion_id}"] for t in group}) == 1

@@ -31,8 +31,9 @@ from liverl.settings import LearnerConfig, Settings
 from policies.registry import Registry
 
 # A shared prefix longer than a KV block (128 tokens on CPU), so later requests read it from
-# the prefix cache, and their routing there from vLLM's block store.
-PREFIX = "def fibonacci(n):\n    # the nth number of the sequence\n" * 10
+# the prefix cache, and their routing there from vLLM's block store; prompts of 243-248
+# tokens, so that 24 more cross into a third block while decoding.
+PREFIX = "def fibonacci(n):\n    # the nth number of the sequence\n" * 12
 SUFFIXES = ("    return 1", "    if n < 2:", "    a, b = 0, 1", "    x = [0]", "    while n:")
 
 
@@ -133,7 +134,9 @@ def test_the_learner_trains_through_the_experts_a_bf16_replica_routed_to(setting
             answers = [first, *pool.map(lambda s: complete(settings, key, PREFIX + s), SUFFIXES[1:] * 2)]
     finally:
         restore(settings, bf16_replica, others)
-    assert preemptions(bf16_replica.url) > 0  # 9 requests of 2 blocks each in 6: some were recomputed
+    # 9 requests, 2 blocks each to start (one shared) and a third to finish, in 6 blocks: some
+    # were preempted and computed again.
+    assert preemptions(bf16_replica.url) > 0
     samples = {s.trajectory.completion_id: s for s in accept_and_join(settings, api, [aligned, *answers])}
 
     # What the learner received is what the replica answered, token for token and layer for layer.
