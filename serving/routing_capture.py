@@ -34,15 +34,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import os
 from typing import Any
 
 CAPTURE_ENV = "LIVERL_CAPTURE_ROUTING"
 STORE_MARGIN = 4
-
-
-def wanted() -> bool:
-    return os.environ.get(CAPTURE_ENV) == "1"
 
 
 def moe_layer_ids(model: Any) -> list[int]:
@@ -199,7 +194,14 @@ def _patch(cls: Any, name: str, wrapper) -> None:
 
 
 def install() -> None:
-    """Patch vLLM in this process (idempotent); call before the engine builds its scheduler."""
+    """Patch vLLM in this process (idempotent); call before the engine builds its scheduler.
+    CPU only: elsewhere vLLM's V2 runner captures with `--enable-return-routed-experts`."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        logging.getLogger(__name__).warning("%s=1 ignored: not a CPU platform; use vLLM's "
+                                            "--enable-return-routed-experts", CAPTURE_ENV)
+        return
     from vllm.config.aux_output import AuxOutputConfig
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
