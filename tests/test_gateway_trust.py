@@ -8,6 +8,8 @@ import json
 import math
 import re
 import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
@@ -19,7 +21,7 @@ import serving.gateway
 import serving.recorder
 from liverl.keys import KeyStore
 from liverl.settings import EmbeddedBroker, ServingConfig, Settings
-from serving.gateway import create_app, upstream_error
+from serving.gateway import create_app, replica_session, upstream_error
 
 
 @pytest.fixture(scope="module")
@@ -118,9 +120,20 @@ def test_a_choice_that_cannot_be_recorded_is_counted_and_named(settings, dev_key
               "choices": [{"index": 0, "text": " 1", "token_ids": [5], "finish_reason": "length",
                            "logprobs": {"tokens": [" 1"], "token_logprobs": [math.nan], "text_offset": [0],
                                         "top_logprobs": None}}]}
-    fake = httpx.MockTransport(lambda request: httpx.Response(200, content=json.dumps(answer).encode()))
-    monkeypatch.setattr(serving.gateway, "replica_async_client",
-                        lambda url, timeout: httpx.AsyncClient(transport=fake, base_url="http://replica"))
+
+    class NaNReplica(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            content = json.dumps(answer).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(content)))
+            self.end_headers()
+            self.wfile.write(content)
+
+    fake = ThreadingHTTPServer(("127.0.0.1", 0), NaNReplica)
+    threading.Thread(target=fake.serve_forever, daemon=True).start()
+    monkeypatch.setattr(serving.gateway, "replica_session",
+                        lambda url, timeout: replica_session(f"http://127.0.0.1:{fake.server_port}", timeout))
 
     async def go() -> httpx.Response:
         app = create_app(settings)
@@ -130,7 +143,10 @@ def test_a_choice_that_cannot_be_recorded_is_counted_and_named(settings, dev_key
                                            headers={"Authorization": f"Bearer {dev_keys['tenant_key']}"})
 
     before = record_failures()
-    response = asyncio.run(go())  # the lifespan's end waits for the recording
+    try:
+        response = asyncio.run(go())  # the lifespan's end waits for the recording
+    finally:
+        fake.shutdown()
     after = record_failures()
     assert response.status_code == 200 and after == before + 1
     cid = response.json()["completion_id"]
