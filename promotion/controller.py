@@ -570,8 +570,9 @@ class Controller:
         told, and the learner rewinds to stable as after an abort."""
         reason = "held for skill: " + "; ".join(f"{c.text()}: more than {c.margin} below" for c in lost)
         log(logger, "candidate held for skill", version=candidate.version, reason=reason)
-        self.promoter.transition(candidate.version, "rejected", ACTOR, reason)
+        # The rewind first: killed between the two, the candidate is judged again, never lost.
         self.registry.request_rewind(stable.version, ACTOR, f"{candidate.version} {reason}")
+        self.promoter.transition(candidate.version, "rejected", ACTOR, reason)
         self.alert("candidate_held_for_skill", candidate.version, reason, comparisons=[c.model_dump() for c in lost])
         self.state = f"{candidate.version} {reason}"
 

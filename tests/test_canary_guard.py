@@ -254,6 +254,7 @@ def test_the_guard_holds_a_candidate_that_lost_skill_and_promotes_one_as_good_on
                                      metrics={"gate": {"passed": True, "reason": "test"}}, sample_ids=[],
                                      actor="test")
         wait_for(lambda: registry.get(unskilled.version).state != "candidate", timeout=300, interval=1)
+        # (the abort of the test before asked for a rewind to stable too: this one names the candidate)
         record = registry.get(unskilled.version)
         assert record.state == "rejected" and record.metrics["skill"]["verdict"] == "held", record.metrics
         reason = registry.history(unskilled.version)[-1]["reason"]
