@@ -148,7 +148,11 @@ def drain(settings: Settings, events: int, log: Path, timeout_s: float) -> dict:
             rss = proc.memory_info().rss
     finally:
         worker.terminate()
-        worker.wait(30)
+        try:
+            worker.wait(60)
+        except subprocess.TimeoutExpired:  # faust's clean stop can take longer on a busy machine
+            worker.kill()
+            worker.wait()
         consumer.close()
     if first is None or last is None or len(seen) < events:
         raise RuntimeError(f"{len(seen)} of {events} samples within {timeout_s:.0f} s; see {log}")

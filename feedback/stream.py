@@ -8,11 +8,10 @@ sends and counts what it returns.
 
 Per batch, each completion whose state changed is written to the table's changelog
 once, on the partition its events came from (the state records it), so the worker
-that owns the partition recovers it. The table's store holds the typed states; its
-codec parses each changelog entry once on recovery, and the join then rebuilds its
-index of windows by due time, so a restarted worker closes every window at its
-original deadline. Due windows close at the end of each batch, and on a timer while
-no events arrive.
+that owns the partition recovers it. The table's store holds the typed states; on
+recovery each entry is typed once, and the join then rebuilds its index of windows by
+due time, so a restarted worker closes every window at its original deadline. Due
+windows close at the end of each batch, and on a timer while no events arrive.
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ from typing import Any, cast
 
 import faust
 from confluent_kafka import Producer
-from faust.serializers import codecs
 from prometheus_client import Counter
 
 from feedback.join import CompletionState, Emitted, FeedbackJoin
@@ -48,18 +46,6 @@ gc.set_threshold(100_000, 50, 100)
 settings = get_settings()
 
 
-class StateCodec(codecs.Codec):
-    """A table entry as the JSON of its CompletionState."""
-
-    def _dumps(self, obj: Any) -> bytes:
-        return encode(obj)
-
-    def _loads(self, s: bytes) -> Any:
-        return CompletionState.model_validate_json(s)
-
-
-codecs.register("completion-state", StateCodec())
-
 app = faust.App(
     "liverl-feedback",
     broker=f"kafka://{settings.bootstrap}",
@@ -77,7 +63,6 @@ incoming = app.topic(Topics.TRAJECTORIES, Topics.FEEDBACK, **raw)
 # Keyed by join_key(tenant, completion_id); partitioned like the incoming topics (the
 # Kafka key stays the completion_id).
 completions = cast(faust.Table, app.Table("completions", default=None))
-completions.value_serializer = "completion-state"  # faust takes a serializer from a value_type's options only
 feedback_join = FeedbackJoin(
     completions.data, Rewarder.from_file(settings.feedback.reward_config),
     window_s=settings.feedback.reward_window_s,
@@ -88,6 +73,12 @@ feedback_join = FeedbackJoin(
 
 @completions.on_recover
 async def recovered() -> None:
+    """Each recovered entry is its state's JSON, which faust's json codec decoded: typed
+    once here, before the streams resume; then the join's indexes are rebuilt from them."""
+    store = completions.data
+    for key, value in list(store.items()):
+        if not isinstance(value, CompletionState):
+            store[key] = CompletionState.model_validate(value)
     feedback_join.reindex()
 
 
