@@ -28,7 +28,7 @@ from fastapi import FastAPI
 
 from liverl.http import service_app
 from liverl.observability import log, setup_logging
-from liverl.process import serve_beside
+from liverl.process import serve_beside, yield_cpu
 from liverl.settings import Settings, get_settings
 from policies.registry import PolicyVersion, Registry
 from rollouts.environment import configured_environment
@@ -95,6 +95,7 @@ class Evaluator:
         torch.set_num_threads(1)  # and a low priority (rollouts.heldout_nice): production and rollouts first
         try:
             os.setpriority(os.PRIO_PROCESS, 0, self.config.heldout_nice)
+            yield_cpu(os.getpid(), self.config.heldout_nice)  # its session's too: autogroups weigh sessions
         except PermissionError as error:  # a lower niceness than it was started at needs the privilege
             log(logger, "could not set the evaluator's niceness", nice=self.config.heldout_nice, error=repr(error))
         while not stop.is_set():
