@@ -90,7 +90,8 @@ def served_sample(url: str, version: str, tenant: str = "acme") -> RewardedSampl
     trajectory = Trajectory(
         event_id="evt-family", tenant=tenant, completion_id="cmpl-family", policy_version=version,
         prompt_token_ids=answer["prompt_token_ids"], completion_token_ids=choice["token_ids"],
-        completion_logprobs=[t["logprob"] for t in choice["logprobs"]["content"]])
+        completion_logprobs=[t["logprob"] for t in choice["logprobs"]["content"]],
+        routed_experts=choice.get("routed_experts"))
     return RewardedSample(sample_id=f"{tenant}:cmpl-family", event_id=f"{tenant}:evt-family", tenant=tenant,
                           reward=1.0, reward_source="feedback", reward_fn_version="test", trajectory=trajectory)
 
@@ -141,6 +142,9 @@ def test_each_family_is_served_learned_shipped_and_swapped(family: str, replicas
     assert problem(sample, trainer.arch) is None
     metrics = trainer.train([sample])
     assert metrics["untrainable"] == {} and metrics["tokens"] == len(sample.trajectory.completion_token_ids)
+    # The replica's routing, one row per MoE layer (dense layers have none), replayed exactly.
+    assert (sample.trajectory.routed_experts is None) == (trainer.arch.layers == 0)
+    assert metrics["trained_routing_mismatch_fraction"] in (None, 0.0)
     child = tmp_path / "child"
     trainer.export(child)
 
