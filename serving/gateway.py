@@ -45,8 +45,9 @@ from serving.recorder import Accumulator, Exchange, Recorder
 
 
 def replica_session(url: str, timeout: float) -> aiohttp.ClientSession:
-    """The gateway's client to one replica: aiohttp, whose C parser costs a request a
-    fifth of httpx's CPU (docs/benchmarks.md, Gateway)."""
+    """The gateway's client to one replica: aiohttp, whose C parser took the gateway's CPU
+    per request from 2.5 to 1.5 ms where httpx's was its largest share (docs/benchmarks.md,
+    The gateway's cost to serving)."""
     if url.startswith(UNIX):
         connector: aiohttp.BaseConnector = aiohttp.UnixConnector(path=url[len(UNIX):], limit=0)
         url = "http://replica"
