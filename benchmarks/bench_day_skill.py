@@ -94,8 +94,12 @@ def main(seeds: list[int] = typer.Option([0, 1, 2, 3, 4], help="One day per seed
     for seed in seeds:
         console.print(f"seed {seed}: liverl demo --load day --minutes {minutes} --day-minutes {day_minutes} "
                       f"--heldout {heldout}")
-        result = run(seed, minutes, day_minutes, heldout, out / f"seed-{seed}",
-                     dict(env, LIVERL_DATA_DIR=str(data_dir.resolve() / f"seed-{seed}")))
+        try:
+            result = run(seed, minutes, day_minutes, heldout, out / f"seed-{seed}",
+                         dict(env, LIVERL_DATA_DIR=str(data_dir.resolve() / f"seed-{seed}")))
+        except subprocess.CalledProcessError:  # a stack that did not start (say): told, and the next seed
+            console.print(f"[red]seed {seed} failed[/red]: see {out / f'seed-{seed}' / 'demo.log'}")
+            continue
         rows.append(row(seed, result))
         console.print(rows[-1])
         (out / "runs.json").write_text(json.dumps(rows, indent=2))

@@ -258,8 +258,11 @@ class Controller:
             self.state = "idle"
             return
         newest = self.skill_scored(eligible) or eligible[-1]
-        for older in [c for c in eligible if c.seq < newest.seq]:  # only the newest is worth a canary
-            self.promoter.transition(older.version, "superseded", ACTOR, f"{newest.version} is newer")
+        older = [c for c in eligible if c.seq < newest.seq]  # only the newest is worth a canary ...
+        if "heldout" not in newest.metrics and self.evaluator_answers():
+            older = []  # ... but not one nobody scored: the one the evaluator scores now would be lost
+        for version in older:
+            self.promoter.transition(version.version, "superseded", ACTOR, f"{newest.version} is newer")
         gate = newest.metrics.get("gate")
         if not gate or not gate["passed"]:
             if self.waiting != newest.version:
