@@ -38,7 +38,7 @@ EVENTS = Counter("liverl_feedback_events_total", "Events seen by the join", ["to
 SAMPLES = Counter("liverl_feedback_samples_total", "Samples emitted", ["source"])
 UNJOINED_OVERFLOW = Counter("liverl_feedback_unjoined_overflow_total", "Feedback dead-lettered because its "
                             "tenant had max_unjoined_per_tenant events waiting for trajectories", ["tenant"])
-setup_logging("feedback")  # the join logs through it (feedback.join)
+logger = setup_logging("feedback")  # the join logs through it too (feedback.join)
 # The table holds millions of small objects that live for a window: with Python's default
 # thresholds the collector rescans them so often that it took a fifth of the worker's CPU.
 gc.set_threshold(100_000, 50, 100)
@@ -80,6 +80,8 @@ async def recovered() -> None:
         if not isinstance(value, CompletionState):
             store[key] = CompletionState.model_validate(value)
     feedback_join.reindex()
+    logger.info("table recovered: %d completions, the next window due %s", len(store),
+                min(feedback_join.due, default=None))
 
 
 class Outbox:
