@@ -131,6 +131,9 @@ def policy_version_row(p: PolicyVersionEvent) -> dict:
                 metrics=json.dumps(p.metrics))
 
 
+LOOKUP_KEYS = 1000  # ids per duplicate lookup: a query's text stays far below ClickHouse's 256 KiB
+
+
 class Sink:
     def __init__(self, warehouse: Warehouse):
         self.warehouse = warehouse
@@ -139,7 +142,13 @@ class Sink:
         """Which (tenant, event_id) pairs are stored: an event id is the tenant's own name,
         so another tenant's event with the same id is not a duplicate. A big table's ids are
         looked up in stored_ids by the minutes their rows name (its sorting key): the cost is
-        the batch's, not the table's. The small ones are read by event id."""
+        the batch's, not the table's. The small ones are read by event id. A query names at
+        most LOOKUP_KEYS ids: ClickHouse refuses a query text past 256 KiB (max_query_size),
+        which a backlog's batch of long ids passed (the broker-kill test found it)."""
+        items = list(rows.items())
+        if len(items) > LOOKUP_KEYS:
+            return set().union(*(self._stored_keys(table, dict(items[i:i + LOOKUP_KEYS]))
+                                 for i in range(0, len(items), LOOKUP_KEYS)))
         if table in INDEXED_TIME:
             keys = ",".join(f"({quote(str(tenant))}, {quote(event_id)})" for tenant, event_id in rows)
             sql = (f"SELECT tenant, event_id FROM stored_ids WHERE tbl = {quote(table)} AND minute IN "
@@ -151,10 +160,16 @@ class Sink:
         return {(r["tenant"], r["event_id"]) for r in query_json(self.warehouse, sql)}
 
     def _stored_revisions(self, rows: list[dict]) -> dict[str, list[dict]]:
-        """Every stored revision of these samples, by sample id: one query for the batch, in
-        sample_revisions by the minutes they were served."""
+        """Every stored revision of these samples, by sample id: one query for the batch (per
+        LOOKUP_KEYS samples), in sample_revisions by the minutes they were served."""
+        if len(rows) > LOOKUP_KEYS:
+            found: dict[str, list[dict]] = {}
+            for i in range(0, len(rows), LOOKUP_KEYS):
+                for sample_id, revisions in self._stored_revisions(rows[i:i + LOOKUP_KEYS]).items():
+                    found.setdefault(sample_id, []).extend(revisions)
+            return found
         samples = ",".join({f"({quote(r['tenant'])}, {quote(r['sample_id'])})" for r in rows})
-        found: dict[str, list[dict]] = {}
+        found = {}
         for row in query_json(self.warehouse, "SELECT sample_id, revision, reward, accepted FROM sample_revisions "
                                               f"WHERE minute IN ({minutes(r['served_at'] for r in rows)}) "
                                               f"AND (tenant, sample_id) IN ({samples})"):

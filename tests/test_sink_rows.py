@@ -155,3 +155,16 @@ def test_a_multi_turn_trajectory_counts_the_tokens_the_policy_wrote():
         Turn(role="user", token_ids=[1, 2, 3]), Turn(role="assistant", token_ids=[4, 5], logprobs=[-1.0, -1.0]),
         Turn(role="tool", token_ids=[6]), Turn(role="summary", token_ids=[7], logprobs=[-1.0])])
     assert t.token_counts() == (4, 3)
+
+
+def test_a_backlog_batch_of_long_ids_is_stored_once(sink):
+    """A batch after a broker restart (the sink reads up to 5,000 at once) of 80-character
+    ids: the duplicate lookup's query text once passed ClickHouse's 256 KiB limit and the
+    sink's consumer died on it; sent again, the batch is all duplicates."""
+    ids = [f"backlog-{i:05d}-" + "x" * 66 for i in range(5000)]
+    batch = [encode(FeedbackEvent(event_id=i, tenant="acme", timestamp="2026-11-22T12:00:00Z",
+                                  body={"kind": "accept", "completion_id": "c"})) for i in ids]
+    sink.store(Topics.FEEDBACK, batch)
+    sink.store(Topics.FEEDBACK, batch)
+    assert query_json(sink.warehouse, "SELECT count() AS n, uniqExact(event_id) AS u FROM feedback_events "
+                                      "WHERE event_id LIKE 'backlog-%'") == [{"n": 5000, "u": 5000}]
