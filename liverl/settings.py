@@ -232,6 +232,10 @@ class ServingConfig(Config):
         5.0, ge=0, description="How long an in-place swap lets the replica finish its in-flight requests "
         "on the old weights before pausing whatever is left (kept, re-prefilled on the new ones).",
     )
+    outbox_bytes: int = Field(
+        256 * 1024**2, ge=0, description="Bytes of records the broker did not take that the gateway keeps on disk "
+        "(data_dir/outbox/gateway) to re-publish; a record past them is dropped and counted.",
+    )
 
 
 class FeedbackConfig(Config):

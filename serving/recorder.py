@@ -5,7 +5,8 @@ Recording costs the serving loop a few microseconds a record: each is built and 
 librdkafka (confluent-kafka), which batches, sends and retries on its own threads, and
 the loop reads its delivery reports a few times a second. A client never waits on the
 broker, hanging up mid-stream loses nothing (the record is handed over before the
-connection is closed), and serving never fails because recording did.
+connection is closed), and serving never fails because recording did. A record the
+broker does not take goes to the outbox (serving/outbox.py) and is re-published from it.
 """
 
 from __future__ import annotations
@@ -28,12 +29,15 @@ from liverl.keys import KeyRecord
 from liverl.observability import log, setup_logging
 from liverl.pool import Replica
 from liverl.settings import Settings
+from serving.outbox import Outbox
+from serving.republisher import Republisher
 
 REQUESTS = Counter("liverl_gateway_requests_total", "Requests", ["endpoint", "status", "version"])
 LATENCY = Histogram("liverl_gateway_latency_seconds", "End-to-end latency", ["endpoint"])
-RECORD_FAILURES = Counter("liverl_gateway_record_failures_total", "Trajectories not recorded")
+RECORD_FAILURES = Counter("liverl_gateway_record_failures_total", "Records lost: not built, or not taken by the "
+                          "broker and not kept by the outbox")
 logger = setup_logging("gateway")
-DELIVERY_TIMEOUT_S = 10.0  # a record the broker has not acknowledged by then is not recorded
+DELIVERY_TIMEOUT_S = 10.0  # a record the broker has not acknowledged by then goes to the outbox
 DELIVERY_REPORTS_EVERY_S = 0.1  # nothing waits on a report but the count of what was not recorded
 P = ParamSpec("P")
 
@@ -138,30 +142,38 @@ class Accumulator:
 class Recorder:
     """The gateway's Kafka producer: each record handed to librdkafka as it is made."""
 
-    producer: Producer  # made by start(), as the app starts
+    producer: Producer  # these three made by start(), as the app starts
+    outbox: Outbox
+    republisher: Republisher
 
     def __init__(self, settings: Settings):
         self.settings = settings
         self.reports: asyncio.Task | None = None
 
     async def start(self) -> None:
-        self.producer = Producer({
+        config = {
             "bootstrap.servers": self.settings.bootstrap, "acks": "all",
             # Java's and aiokafka's partitioner, as the ingest API's: feedback lands on the
             # partition of its trajectory, and the join relies on it.
             "partitioner": "murmur2_random",
             "linger.ms": 5, "message.max.bytes": 4 * 1024 * 1024,
             "message.timeout.ms": int(DELIVERY_TIMEOUT_S * 1000),
-            "on_delivery": self.delivered, "delivery.report.only.error": True,  # no call per record delivered
             "logger": logging.getLogger("librdkafka"),
-        })
+        }
+        self.outbox = Outbox(self.settings.data_dir / "outbox" / "gateway", self.settings.serving.outbox_bytes)
+        self.producer = Producer(dict(config, on_delivery=self.delivered,
+                                      **{"delivery.report.only.error": True}))  # no call per record delivered
+        self.republisher = Republisher(self.outbox, Producer(config))  # what an earlier run left included
+        self.republisher.start()
         self.reports = asyncio.create_task(self.serve_delivery_reports())
 
     async def stop(self) -> None:
-        """Once every record handed over is delivered, or counted as not recorded."""
+        """Once every record handed over is delivered, kept in the outbox, or counted as lost."""
         if self.reports:
             self.reports.cancel()
+        await self.republisher.stop()
         self.producer.flush(DELIVERY_TIMEOUT_S + 5)  # serves the last reports, failures included
+        self.outbox.close()
 
     async def serve_delivery_reports(self) -> None:
         while True:
@@ -182,9 +194,11 @@ class Recorder:
             self.not_delivered(message.topic(), message.key(), message.value(), str(error))
 
     def not_delivered(self, topic: str | None, key: bytes | None, value: bytes | None, why: str) -> None:
-        """A record the broker did not take: counted and logged (analytics may be down)."""
-        RECORD_FAILURES.inc()
-        log(logger, "could not record", topic=topic, error=why)
+        """A record the broker did not take: kept in the outbox to be re-published, or, past
+        its bound, counted as lost."""
+        log(logger, "the broker did not take a record", topic=topic, error=why)
+        if topic is None or value is None or not self.outbox.put(topic, key, value):
+            RECORD_FAILURES.inc()
 
     @unfailing
     def completion(self, exchange: Exchange, gathered: Accumulator, first_token: float | None) -> None:

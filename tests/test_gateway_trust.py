@@ -15,7 +15,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 from helpers import sql, wait_for
-from prometheus_client import generate_latest
+from prometheus_client import REGISTRY, generate_latest
 
 import serving.gateway
 import serving.recorder
@@ -166,8 +166,8 @@ def test_a_client_that_hangs_up_mid_stream_still_has_its_completion_recorded(set
 
 def test_serving_goes_on_while_the_broker_is_away(settings, dev_keys, monkeypatch):
     """The broker is a port nobody listens on (a real one cannot be made to vanish on
-    demand): the gateway starts, answers and refuses as ever, and counts every record the
-    broker never took (by the time it stops, after the delivery timeout)."""
+    demand): the gateway starts, answers and refuses as ever, and keeps every record the
+    broker never took in its outbox (by the time it stops, after the delivery timeout)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         away = settings.model_copy(update={"broker": EmbeddedBroker(port=s.getsockname()[1])})
@@ -175,7 +175,9 @@ def test_serving_goes_on_while_the_broker_is_away(settings, dev_keys, monkeypatc
     headers = {"Authorization": f"Bearer {dev_keys['tenant_key']}"}
     before = record_failures()
     with TestClient(create_app(away)) as gateway:
+        kept = REGISTRY.get_sample_value("liverl_gateway_outbox_records")  # what earlier gateways here left
         served = gateway.post("/v1/completions", json={"prompt": "x = ", "max_tokens": 2}, headers=headers)
         refused = gateway.post("/v1/completions", json={"prompt": "x = ", "max_tokens": 0}, headers=headers)
     assert served.status_code == 200 and refused.status_code == 400
-    assert record_failures() == before + 3  # the trajectory, its request's row, the refusal's row
+    # the trajectory, its request's row, the refusal's row: kept, none lost
+    assert REGISTRY.get_sample_value("liverl_gateway_outbox_records") == kept + 3 and record_failures() == before
