@@ -106,7 +106,7 @@ class Outbox:
 
     def dropped(self, topic: str, why: str) -> bool:
         DROPPED.inc()
-        log(logger, "outbox full: record dropped", topic=topic, error=why)
+        log(logger, "outbox: record dropped", topic=topic, error=why)
         return False
 
     def oldest(self, limit_bytes: int) -> list[Kept]:
@@ -130,6 +130,11 @@ class Outbox:
         if self.db.execute("DELETE FROM outbox WHERE id = ?", (record.id,)).rowcount:
             self.records, self.bytes = self.records - 1, self.bytes - record.size
             self.show()
+
+    def discard(self, record: Kept, why: str) -> None:
+        """A record the broker will never take (too large for it): dropped, not retried forever."""
+        self.remove(record)
+        self.dropped(record.topic, why)
 
     def close(self) -> None:
         self.db.close()  # the last connection checkpoints the WAL into the file

@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import functools
 
-from confluent_kafka import KafkaException, Message, Producer
+from confluent_kafka import KafkaError, KafkaException, Message, Producer
 from prometheus_client import Counter
 
 from liverl.observability import log, setup_logging
@@ -65,18 +65,22 @@ class Republisher:
         """How many of `batch` the broker took, each deleted from the outbox as its report comes."""
         reports: list[bool] = []
 
-        def reported(record: Kept, error: object, _message: Message) -> None:
+        def reported(record: Kept, error: KafkaError | None, _message: Message | None) -> None:
             reports.append(error is None)
             if error is None:
                 self.outbox.remove(record)
                 REPUBLISHED.inc()
+            elif error.code() == KafkaError.MSG_SIZE_TOO_LARGE:
+                self.outbox.discard(record, str(error))
 
         for record in batch:
             try:
                 self.producer.produce(record.topic, record.value, record.key,
                                       on_delivery=functools.partial(reported, record))
-            except (BufferError, KafkaException):
+            except BufferError:
                 reports.append(False)
+            except KafkaException as error:
+                reported(record, error.args[0], None)
         while len(reports) < len(batch):  # the delivery timeout bounds the wait
             self.producer.poll(0)
             await asyncio.sleep(REPORTS_EVERY_S)

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 
+from confluent_kafka import Producer
 from fastapi.testclient import TestClient
 from helpers import sql, wait_for
 from prometheus_client import REGISTRY
@@ -23,6 +24,7 @@ from liverl.settings import REPO_ROOT, EmbeddedBroker
 from serving.gateway import create_app
 from serving.outbox import WAL_LIMIT_BYTES, Outbox
 from serving.recorder import Recorder
+from serving.republisher import Republisher
 
 TOPIC = "liverl.test"
 
@@ -81,6 +83,15 @@ def test_a_record_torn_by_a_kill_is_never_read_back(tmp_path):
     assert recovered.put(TOPIC, b"c", b"after")
     recovered.close()
     assert values(Outbox(copy, bound=1 << 20)) == [b"whole", b"after"]
+
+
+def test_a_record_the_broker_will_never_take_is_dropped_not_retried_forever(tmp_path):
+    outbox = Outbox(tmp_path, bound=1 << 20)
+    outbox.put(TOPIC, None, b"x" * 2000)
+    producer = Producer({"bootstrap.servers": "127.0.0.1:9", "message.max.bytes": 1000})  # nobody there
+    before = dropped()
+    assert asyncio.run(Republisher(outbox, producer).publish(outbox.oldest(1 << 20))) == 0
+    assert outbox.records == 0 and dropped() == before + 1
 
 
 def test_each_gateway_on_a_data_dir_keeps_its_own_outbox(tmp_path):
