@@ -72,6 +72,23 @@ def down(data_dir: Path | None = DataDir,
 
 
 @app.command()
+def restart(component: str = typer.Argument(..., help="A component `liverl status` lists (not a replica: "
+                                             "`liverl replica` manages those)."),
+            reason: str = typer.Option(..., "--reason", help="Why: kept in the audit log."),
+            data_dir: Path | None = DataDir) -> None:
+    """Stop one component and start it again, through the supervisor (the stack's one restarter)."""
+    from app.stack import StackError
+    from app.stack import restart as stack_restart
+
+    try:
+        restarted = stack_restart(settings_from(data_dir), component, reason)
+    except StackError as error:
+        fail(str(error))
+    state = "[green]healthy[/green]" if restarted["healthy"] else "[red]not healthy yet[/red]"
+    console.print(f"{component} restarted (pid {restarted['pid']}, restart {restarted['restarts']}): {state}")
+
+
+@app.command()
 def status(data_dir: Path | None = DataDir, as_json: bool = typer.Option(False, "--json")) -> None:
     """Each component: pid, URL, healthy, policy version served."""
     from app.stack import status as stack_status
@@ -84,7 +101,8 @@ def status(data_dir: Path | None = DataDir, as_json: bool = typer.Option(False, 
         console.print("liverl is not running")
         raise typer.Exit(1)
     # Only replicas serve a policy version; the other components have none to show.
-    print_rows([{k: c.get(k) for k in ("name", "pid", "url", "healthy", "policy_version", "role")}
+    print_rows([{k: c.get(k) for k in ("name", "pid", "url", "healthy", "state", "restarts", "policy_version",
+                                        "role")}
                 for c in report["components"]], f"cluster {report['cluster_id']}")
     if pause := report["lending"]["paused"]:
         console.print(f"lending to rollouts paused by {pause['actor']} at {pause['at']}: {pause['reason']}")

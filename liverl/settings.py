@@ -55,15 +55,28 @@ def reveal_secret(value: SecretStr | None, info) -> str | None:
 
 # --- Kafka-protocol broker ---------------------------------------------------------
 class EmbeddedBroker(Config):
-    """Tansu, started by `liverl up`; topics live in memory (see README)."""
+    """Tansu, started by `liverl up`; its topics on disk through a local S3-compatible store
+    (app/broker.py), or in memory."""
 
     kind: Literal["embedded"] = "embedded"
     port: Port = Field(19092, description="Port the embedded Tansu broker listens on.")
+    storage: Literal["disk", "memory"] = Field(
+        "disk", description="disk: topics kept as files under data_dir/broker, so what the broker acknowledged "
+        "survives a kill of it; memory: lost with the broker (nothing written, for throwaway runs).")
+    store_port: Port | None = Field(None, description="Port of the store (app.broker_store) that keeps the "
+                                    "topics on disk (storage disk); None: the broker's port + 1.")
+    fsync: bool = Field(False, description="The store fsyncs each batch before the broker acknowledges it: "
+                        "survives a power cut, not only a kill, at the cost of a disk flush per produce.")
     partitions: int = Field(2, ge=1, description="Partitions per topic created at start.")
 
     @property
     def bootstrap(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def effective_store_port(self) -> int:
+        """The store's port."""
+        return self.store_port or self.port + 1
 
 
 class KafkaBroker(Config):
@@ -168,6 +181,7 @@ class PortsConfig(Config):
     capacity: Port = Field(18040, description="Capacity scheduler's health and metrics port.")
     rollouts: Port = Field(18030, description="Rollout worker's health and metrics port.")
     evaluator: Port = Field(18020, description="Held-out evaluator's health port.")
+    supervisor: Port = Field(18010, description="Supervisor's health, metrics and restart port.")
     replica_base: Port = Field(18100, description="First vLLM replica port; replica i uses base+i.")
 
 
@@ -494,6 +508,23 @@ class PromotionConfig(Config):
         return self
 
 
+class SupervisorConfig(Config):
+    """How `liverl up` keeps its components running (app/supervisor.py)."""
+
+    enabled: bool = Field(True, description="Restart a component that dies; off: a dead one stays dead.")
+    poll_s: float = Field(0.5, gt=0, description="How often the supervisor looks for dead components.")
+    backoff_s: float = Field(1.0, gt=0, description="Wait before the first restart; doubled for each death "
+                             "within window_s.")
+    max_backoff_s: float = Field(30.0, gt=0, description="Longest wait between restarts.")
+    max_restarts: int = Field(5, ge=1, description="Deaths within window_s after which a component is left "
+                              "down and on-call is alerted, rather than restarted in a loop.")
+    window_s: float = Field(600.0, gt=0, description="How far back deaths count towards max_restarts.")
+    health_every_s: float = Field(5.0, gt=0, description="How often a live component's health check is asked.")
+    unhealthy_after_s: float = Field(30.0, gt=0, description="A live component whose health check has failed "
+                                     "this long (after start_timeout_s of grace from its start) is stopped, then "
+                                     "restarted as a death: a process alive but stuck serves no one.")
+
+
 class CapacityConfig(Config):
     """The capacity scheduler (`serving/capacity.py`): idle replicas lent to rollouts."""
 
@@ -621,8 +652,10 @@ class Settings(BaseSettings):
     promotion: PromotionConfig = Field(default_factory=PromotionConfig, description="The promotion controller.")
     capacity: CapacityConfig = Field(default_factory=CapacityConfig, description="Lending idle replicas.")
     rollouts: RolloutsConfig = Field(default_factory=RolloutsConfig, description="Off-peak rollouts.")
+    supervisor: SupervisorConfig = Field(default_factory=SupervisorConfig, description="Restarting what dies.")
     broker_cluster_id: str | None = Field(
-        None, description="Set by `liverl up` per start; offsets are recorded with it."
+        None, description="Set by `liverl up`: the embedded broker's (kept with its topics on disk, new "
+        "with each memory broker); offsets are recorded with it."
     )
     start_timeout_s: float = Field(90.0, gt=0, description="How long a non-replica component may take.")
     stream_nice: int = Field(
@@ -640,12 +673,14 @@ class Settings(BaseSettings):
         """Every listening port belongs to one component (replicas take base .. base+n-1)."""
         ports = self.ports
         claims = {f"LIVERL_PORTS__{name.upper()}": getattr(ports, name)
-                  for name in ("api", "gateway", "sink", "feedback", "learner", "controller")}
+                  for name in ("api", "gateway", "sink", "feedback", "learner", "controller", "supervisor")}
         if self.serving.listen == "tcp":
             claims |= {f"replica {i} (LIVERL_PORTS__REPLICA_BASE + {i})": ports.replica_base + i
                        for i in range(self.serving.replicas)}
         if isinstance(self.broker, EmbeddedBroker):
             claims["LIVERL_BROKER__PORT"] = self.broker.port
+            if self.broker.storage == "disk":
+                claims["LIVERL_BROKER__STORE_PORT"] = self.broker.effective_store_port
         owner: dict[int, str] = {}
         for name, port in claims.items():
             if port > 65535:

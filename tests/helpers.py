@@ -3,21 +3,17 @@
 from __future__ import annotations
 
 import json
-import sys
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import httpx
 
-from app.stack import COMPONENTS, child_env
+from app.stack import restart
 from liverl.keys import admin_headers
-from liverl.manifest import read_manifest
-from liverl.process import spawn, stop_pid
 from liverl.settings import Settings
 from policies.registry import Registry
 
@@ -93,24 +89,11 @@ def item(event_id: str, body: dict, type: str = "feedback") -> dict:
 
 def restart_component(settings: Settings, name: str, env: dict[str, str]) -> int:
     """Stop one of the stack's components and start it again with `env` added to its
-    environment (a fault to inject, a setting to change); the manifest follows."""
-    manifest = read_manifest(settings)
-    component = next(c for c in manifest.components if c.name == name)
-    stop_pid(component.pid)
-    process = spawn([sys.executable, "-m", COMPONENTS[name]], dict(child_env(settings), **env), Path(component.log))
-    component.pid = process.pid
-    (settings.run_dir / "stack.json").write_text(manifest.model_dump_json(indent=2))
-    if component.url:  # answering again before the next test calls it
-        health = component.url + ("/" if name == "feedback" else "/health")
-        wait_for(lambda: answers(health), timeout=120)
-    return process.pid
-
-
-def answers(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=2).status_code == 200
-    except httpx.TransportError:
-        return False
+    environment for this start (a fault to inject, a setting to change), through the
+    supervisor as `liverl restart` does; answering again when this returns."""
+    restarted = restart(settings, name, "test restart", env)
+    assert restarted["healthy"], f"{name} was not healthy again after its restart: {restarted}"
+    return restarted["pid"]
 
 
 @contextmanager

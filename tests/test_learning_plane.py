@@ -5,7 +5,6 @@ demo in small: simulated users whose hidden preference the served policy learns.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import uuid
 
@@ -18,6 +17,7 @@ from transformers import AutoConfig
 from app.demo import Population
 from liverl.keys import admin_headers
 from liverl.pool import read_pool
+from liverl.process import alive
 from policies.registry import Registry
 from promotion.promoter import Promoter
 from promotion.sequential import wilson
@@ -52,8 +52,8 @@ KILLED_AT = ("registry.publish.after_rename", "learner.after_publish")
 
 
 def exited(pid: int) -> bool:
-    """The child `pid` (started by this process) has exited: reaped here, not a zombie."""
-    return os.waitpid(pid, os.WNOHANG)[0] == pid
+    """`pid` has exited (the supervisor then starts the learner again, without the fault)."""
+    return not alive(pid)
 
 
 def test_a_learner_killed_at_each_durable_step_learns_every_sample_exactly_once(settings, api):
