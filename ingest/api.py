@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import gc
 import json
+import math
 import time
 from collections import OrderedDict
 from contextlib import asynccontextmanager
@@ -227,7 +228,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         started, received_at = time.perf_counter(), utcnow()
         body = await ingestion.batch(await request.body(), caller, received_at)
         BATCH_SECONDS.observe(time.perf_counter() - started)
-        return Response(body.model_dump_json(), status_code=207, media_type="application/json")
+        # An item the broker did not acknowledge (503) is the client's to send again: when.
+        unacknowledged = any(r.status == 503 for r in body.results)
+        headers = {"Retry-After": str(math.ceil(settings.ingest.delivery_timeout_s))} if unacknowledged else None
+        return Response(body.model_dump_json(), status_code=207, media_type="application/json", headers=headers)
 
     app.include_router(keys_router)
     return app

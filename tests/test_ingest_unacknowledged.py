@@ -30,6 +30,7 @@ def test_unacknowledged_items_get_503_and_their_retry_is_not_a_duplicate(tmp_pat
         for attempt in range(2):
             response = api.post("/v1/ingestion", json=batch, headers={"Authorization": f"Bearer {key}"})
             assert response.status_code == 207
+            assert response.headers["Retry-After"] == "1"  # when to send them again
             body = response.json()
             assert body["accepted"] == 0 and body["rejected"] == 2, attempt
             for result in body["results"]:
