@@ -32,7 +32,7 @@ from liverl.observability import log, setup_logging
 HELD_BYTES = Gauge("liverl_gateway_outbox_bytes", "Bytes of records the outbox holds for re-publishing")
 HELD_RECORDS = Gauge("liverl_gateway_outbox_records", "Records the outbox holds for re-publishing")
 DROPPED = Counter("liverl_gateway_outbox_dropped_total", "Records the broker did not take and the outbox "
-                  "could not keep (past its bound, or the disk refused them): lost")
+                  "could not keep (past its bound, the disk refused them, or too large for the broker): lost")
 logger = setup_logging("gateway")
 SCHEMA = """CREATE TABLE IF NOT EXISTS outbox (
     id INTEGER PRIMARY KEY, topic TEXT NOT NULL, key BLOB, value BLOB NOT NULL)"""
