@@ -134,10 +134,11 @@ def kill_and_recover(settings: Settings, name: str, timeout: float = 180) -> flo
 
 
 def stored_counts(settings: Settings) -> dict[str, int]:
-    rows = sql(settings, "SELECT event_id, count() AS n FROM feedback_events WHERE event_id LIKE 'fault-%' "
-                         "GROUP BY event_id UNION ALL SELECT event_id, count() AS n FROM trajectories "
-                         "WHERE event_id LIKE 'fault-%' GROUP BY event_id")
-    return {r["event_id"]: r["n"] for r in rows}
+    counts = {}
+    for table in ("feedback_events", "trajectories"):
+        counts.update({r["event_id"]: r["n"] for r in sql(
+            settings, f"SELECT event_id, count() AS n FROM {table} WHERE event_id LIKE 'fault-%' GROUP BY event_id")})
+    return counts
 
 
 def check(settings: Settings, load: Load, phases: list[dict], settle_s: float) -> None:
@@ -198,12 +199,14 @@ def main(data_dir: Path = typer.Option(Path("/tmp/liverl-bench-faults"), help="T
             time.sleep(3)
             phase["to"] = time.time()
             phases.append(phase)
-    finally:
         load.stop.set()
         load.thread.join(timeout=60)
-        if phases:
-            phases[-1]["to"] = time.time()
+        # What was acknowledged, kept beside the stack: the check can be made again by hand.
+        (data_dir / "fault-load.json").write_text(json.dumps({"acknowledged": load.acknowledged,
+                                                              "samples": load.samples, "phases": phases}))
         check(settings, load, phases, settle_s)
+    finally:
+        load.stop.set()
         down(settings, say=console.print, force=True)
     console.print(report(phases))
     console.print(f"refused (503 or no answer, the client's to send again): {load.refused}")
