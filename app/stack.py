@@ -252,7 +252,7 @@ def up(settings: Settings, say: Callable[[str], None] = print, progress: bool = 
             launcher.python("rollouts", settings.ports.rollouts, nice=settings.rollouts.nice)
             launcher.python("capacity", settings.ports.capacity)
             if settings.rollouts.heldout_every_s is not None:
-                launcher.python("evaluator", settings.ports.evaluator, nice=19)
+                launcher.python("evaluator", settings.ports.evaluator, nice=settings.rollouts.heldout_nice)
         if settings.supervisor.enabled:
             launcher.python("supervisor", settings.ports.supervisor)
     except (StackError, ReplicaError, BrokerSetupError, OSError) as error:
