@@ -10,8 +10,8 @@ console = Console()
 
 def print_rows(rows: list[dict], title: str | None = None) -> None:
     table = Table(title=title)
-    for column in rows[0] if rows else []:
-        table.add_column(str(column))
+    for i, column in enumerate(rows[0] if rows else []):
+        table.add_column(str(column), no_wrap=i == 0)  # the first column names the row: never cut
     for row in rows:
         table.add_row(*("" if v is None else str(v) for v in row.values()))
     console.print(table)

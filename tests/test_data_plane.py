@@ -43,11 +43,10 @@ def test_completion_feedback_reward_row_in_clickhouse(settings, openai_client, d
     with FeedbackClient(settings.url(settings.ports.api), dev_keys["tenant_key"]) as client:
         client.accept(completion_id)
     assert client.rejected == []
-    out = wait_for(lambda: (r := liverl(settings, "sql",
-                                        f"SELECT reward, reward_source, policy_version FROM samples "
-                                        f"WHERE sample_id = 'dev:{completion_id}'", "--format", "json"))
-                   .stdout.count('"reward"') and r, timeout=20)
-    rows = json.loads(out.stdout)["data"]
+    # Rows, not the column names the JSON's meta always holds: those made this wait a no-op.
+    rows = wait_for(lambda: json.loads(liverl(settings, "sql", f"SELECT reward, reward_source, policy_version "
+                                                           f"FROM samples WHERE sample_id = 'dev:{completion_id}'",
+                                              "--format", "json").stdout)["data"], timeout=30)
     assert rows == [{"reward": 1, "reward_source": "feedback", "policy_version": served_by}]
     trajectory = sql(settings, f"SELECT completion_tokens, prompt_tokens, completion_text FROM trajectories "
                                f"WHERE completion_id = '{completion_id}'")[0]
