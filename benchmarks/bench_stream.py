@@ -33,7 +33,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from app.stack import tansu_binary
+from app.broker import tansu_binary
 from liverl.contracts import FeedbackEvent, RewardedSample, Topics, Trajectory
 from liverl.kafka import encode, ensure_topics
 from liverl.settings import EmbeddedBroker, PortsConfig, Settings
