@@ -132,12 +132,27 @@ async def send(out: Emitted) -> None:
     for tenant, n in collections.Counter(out.overflowed).items():
         UNJOINED_OVERFLOW.labels(tenant).inc(n)
     changelog = completions.changelog_topic.get_topic_name()
+    written = set()
     for key, partition in feedback_join.take_changed().items():
         state = feedback_join.states.get(key)
         # The table's own key and value serializers, as faust reads them back on recovery.
-        outbox.produce(changelog, completions.changelog_topic.prepare_key(key, completions.key_serializer)[0],
-                       None if state is None else encode(state), partition)
+        outbox.produce(changelog, table_key(key), None if state is None else encode(state), partition)
+        written.add(partition)
     await outbox.flush()
+    # Tansu 0.6 reports a partition's high watermark as its last batch's base offset + 1,
+    # and faust's recovery reads a changelog up to the watermark: the rest of a batch of
+    # several states would be lost at a restart. A tombstone of a key no completion has,
+    # alone in the last batch of each partition written, puts the watermark past them all.
+    for partition in written:
+        outbox.produce(changelog, table_key(WATERMARK_KEY), None, partition)
+    await outbox.flush()
+
+
+WATERMARK_KEY = "watermark"  # no completion's: theirs are tenant:completion_id (join_key), with a colon
+
+
+def table_key(key: str) -> bytes:
+    return completions.changelog_topic.prepare_key(key, completions.key_serializer)[0]
 
 
 @app.agent(incoming)
