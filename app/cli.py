@@ -103,7 +103,7 @@ def status(data_dir: Path | None = DataDir, as_json: bool = typer.Option(False, 
     # Only replicas serve a policy version; the other components have none to show.
     print_rows([{k: c.get(k) for k in ("name", "pid", "url", "healthy", "state", "restarts", "policy_version",
                                         "role")}
-                for c in report["components"]], f"cluster {report['cluster_id']}")
+                for c in report["components"]], f"cluster {report['cluster_id']}", whole=("name",))
     if pause := report["lending"]["paused"]:
         console.print(f"lending to rollouts paused by {pause['actor']} at {pause['at']}: {pause['reason']}")
     if report["lending"]["events"]:

@@ -249,7 +249,8 @@ def test_status_reports_every_component(settings):
     assert report["keys_file"].endswith("dev-keys.json")
     table = liverl(settings, "status")
     assert table.returncode == 0 and "replica-0" in table.stdout and "api" in table.stdout, table.stderr
-    assert report["heldout"] == []  # no evaluator in this stack: nothing scored
+    # The skill guard's test scores versions with the real evaluator beside this stack.
+    assert all(0 <= row["pass_rate"] <= 1 and row["tasks"] > 0 for row in report["heldout"])
     # The stream yields to ingest and serving: niced, and on the CPUs it was given.
     for background in ("sink", "feedback"):
         pid = names[background]["pid"]
