@@ -378,15 +378,21 @@ class Registry:
         return latest[0] if latest and latest[0].pinned else None
 
     def transition(self, version: str, to_state: State, actor: str, reason: str) -> PolicyVersion:
+        return self.transitions([(version, to_state, reason)], actor)[0]
+
+    def transitions(self, moves: list[tuple[str, State, str]], actor: str) -> list[PolicyVersion]:
+        """Several (version, state, reason) moves in one transaction: stable handed from one
+        version to another is never seen missing (or doubled) by a reader in between."""
         with self.transaction() as db:
-            current = db.execute("SELECT state FROM versions WHERE version = ?", (version,)).fetchone()
-            if current is None:
-                raise KeyError(f"no policy version {version!r}")
-            check_transition(version, current[0], to_state, reason)
-            db.execute("UPDATE versions SET state = ? WHERE version = ?", (to_state, version))
-            db.execute("INSERT INTO events (version, at, from_state, to_state, actor, reason) "
-                       "VALUES (?,?,?,?,?,?)", (version, time.time(), current[0], to_state, actor, reason))
-        return self.get(version)
+            for version, to_state, reason in moves:
+                current = db.execute("SELECT state FROM versions WHERE version = ?", (version,)).fetchone()
+                if current is None:
+                    raise KeyError(f"no policy version {version!r}")
+                check_transition(version, current[0], to_state, reason)
+                db.execute("UPDATE versions SET state = ? WHERE version = ?", (to_state, version))
+                db.execute("INSERT INTO events (version, at, from_state, to_state, actor, reason) "
+                           "VALUES (?,?,?,?,?,?)", (version, time.time(), current[0], to_state, actor, reason))
+        return [self.get(version) for version, _, _ in moves]
 
     def record_event(self, version: str, event: str, actor: str, reason: str) -> None:
         """Something that happened to a version without changing its state (a canary held

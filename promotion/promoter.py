@@ -50,9 +50,14 @@ class Promoter:
             log(logger, "could not announce version", version=version.version, error=repr(error))
 
     def transition(self, version: str, state: State, actor: str, reason: str) -> PolicyVersion:
-        updated = self.registry.transition(version, state, actor, reason)
-        self.announce(updated)
-        return updated
+        return self.transitions([(version, state, reason)], actor)
+
+    def transitions(self, moves: list[tuple[str, State, str]], actor: str) -> PolicyVersion:
+        """The moves in one registry transaction, each announced; the last version moved."""
+        updated = self.registry.transitions(moves, actor)
+        for version in updated:
+            self.announce(version)
+        return updated[-1]
 
     def weights(self, version: str) -> Path:
         model_dir = Path(self.registry.get(version).model_dir)
@@ -110,9 +115,10 @@ class Promoter:
         if failed := [r for r in reports if not r.ok]:
             self.abort(version, actor, f"{failed[0].replica}: {failed[0].error}", state="rolled_back")
             return self.registry.get(version)
+        moves: list[tuple[str, State, str]] = [(version, "stable", reason)]
         if previous and previous.version != version:
-            self.transition(previous.version, "superseded", actor, f"replaced by {version}")
-        return self.transition(version, "stable", actor, reason)
+            moves.insert(0, (previous.version, "superseded", f"replaced by {version}"))
+        return self.transitions(moves, actor)
 
     @one_change_at_a_time
     def serve_everywhere(self, version: str, leave_one: bool = False) -> list[SwapReport]:
@@ -181,7 +187,7 @@ class Promoter:
         for canary in self.registry.in_state("canary"):  # its replica went back too; it was built on what failed
             if canary.version != to:
                 self.transition(canary.version, "rejected", actor, f"rollback to {to} took every replica")
-        self.transition(current.version, "rolled_back", actor, reason)
-        restored = self.transition(to, "stable", actor, f"rollback from {current.version}: {reason}")
+        restored = self.transitions([(current.version, "rolled_back", reason),
+                                     (to, "stable", f"rollback from {current.version}: {reason}")], actor)
         self.registry.request_rewind(to, actor, f"rollback from {current.version}: {reason}")
         return restored
