@@ -592,7 +592,8 @@ def replica_add(name: str, url: str, reason: str = ChangeReason, data_dir: Path 
                 alias: str | None = typer.Option(None, help="Dedicate it to a team alias: it answers only "
                                                     "requests naming the alias, and no swap touches it.")) -> None:
     """Route to a vLLM replica started elsewhere (`vllm serve` on the version's weights,
-    served model name liverl-policy): taken only once its answers reproduce the version's
+    served model name liverl-policy; serving/replica.Dockerfile's entry adds the routed
+    experts to streamed answers): taken only once its answers reproduce the version's
     probe logprobs, so the gateway never sends users to the wrong weights."""
     import httpx as http
 

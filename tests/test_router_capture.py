@@ -3,16 +3,20 @@ routed every token to, the trajectory carries them to the learner through the ga
 feedback join and the samples topic, and the learner's training step runs exactly those
 experts, also where its own fp32 router would have chosen others.
 
-One bf16 replica is started for this (one engine start, about 40 s): the stack's replicas
-compute in fp32 like the learner and agree with it almost everywhere, which proves nothing
-about replay, but it proves the capture is aligned (token i, layer l is token i, layer l)."""
+Whole and streamed answers alike (the replica's server adds a chunk carrying the routing
+before a stream's end: serving/replica_server.py). One bf16 replica is started for this (one
+engine start, about 40 s): the stack's replicas compute in fp32 like the learner and agree
+with it almost everywhere, which proves nothing about replay, but it proves the capture is
+aligned (token i, layer l is token i, layer l)."""
 
 from __future__ import annotations
 
 import base64
 import concurrent.futures
 import io
+import json
 import re
+import threading
 import uuid
 from pathlib import Path
 
@@ -42,12 +46,27 @@ def served_routing(choice: dict) -> np.ndarray:
     return np.load(io.BytesIO(base64.b64decode(choice["routed_experts"])), allow_pickle=False)
 
 
-def complete(settings: Settings, key: str, prompt: str) -> dict:
+def complete(settings: Settings, key: str, prompt: str, stream: bool = False) -> dict:
+    """A completion through the gateway, asking for its routing; streamed, its chunks put
+    together as a whole answer's one choice."""
+    body = {"prompt": prompt, "max_tokens": 24, "temperature": 1.0, "return_routed_experts": True,
+            "stream": stream}
     with httpx.Client(timeout=120, headers={"Authorization": f"Bearer {key}"}) as client:
-        response = client.post(settings.url(settings.ports.gateway) + "/v1/completions",
-                               json={"prompt": prompt, "max_tokens": 24, "temperature": 1.0})
-    assert response.status_code == 200, response.text
-    return response.json()
+        if not stream:
+            response = client.post(settings.url(settings.ports.gateway) + "/v1/completions", json=body)
+            assert response.status_code == 200, response.text
+            return response.json()
+        with client.stream("POST", settings.url(settings.ports.gateway) + "/v1/completions", json=body) as response:
+            assert response.status_code == 200, response.read()
+            lines = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    chunks = [json.loads(line) for line in lines[:-1]]
+    choices = [c for chunk in chunks for c in chunk["choices"]]
+    assert all(c["index"] == 0 for c in choices)
+    routing = [c["routed_experts"] for c in choices if "routed_experts" in c]
+    assert len(routing) == 1, "one chunk carries the routing, before [DONE]"
+    return {"completion_id": chunks[0]["completion_id"], "streamed": True,
+            "choices": [{"text": "".join(c.get("text", "") for c in choices), "routed_experts": routing[0]}]}
 
 
 def accept_and_join(settings: Settings, api: httpx.Client, answers: list[dict]) -> list[RewardedSample]:
@@ -127,17 +146,31 @@ def test_the_learner_trains_through_the_experts_a_bf16_replica_routed_to(setting
     stable = Registry(settings.policies_dir).stable()
     assert stable is not None and bf16_replica.policy_version == stable.version
     aligned = complete(settings, key, PREFIX + "    pass")  # an fp32 replica of the stack
+    with httpx.Client(timeout=120, headers={"Authorization": f"Bearer {key}"}) as client:
+        plain = client.post(settings.url(settings.ports.gateway) + "/v1/completions",
+                            json={"prompt": PREFIX + "    pass", "max_tokens": 4, "stream": True})
+    assert plain.status_code == 200 and "[DONE]" in plain.text
+    assert "routed_experts" not in plain.text  # a client that did not ask sees plain OpenAI chunks
     others = only_replica(settings, bf16_replica)
     try:
         first = complete(settings, key, PREFIX + SUFFIXES[0])  # computes the prefix's blocks
-        with concurrent.futures.ThreadPoolExecutor(len(SUFFIXES)) as pool:
-            answers = [first, *pool.map(lambda s: complete(settings, key, PREFIX + s), SUFFIXES[1:] * 2)]
+        together = threading.Barrier(8)  # sent at once, so that they share the 6 blocks
+
+        def concurrent_complete(suffix: str, stream: bool) -> dict:
+            together.wait(timeout=60)
+            return complete(settings, key, PREFIX + suffix, stream)
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:  # half of them streamed
+            answers = [first, *pool.map(concurrent_complete, SUFFIXES[1:] * 2, [False] * 4 + [True] * 4)]
     finally:
         restore(settings, bf16_replica, others)
     # 9 requests, 2 blocks each to start (one shared) and a third to finish, in 6 blocks: some
     # were preempted and computed again.
     assert preemptions(bf16_replica.url) > 0
-    samples = {s.trajectory.completion_id: s for s in accept_and_join(settings, api, [aligned, *answers])}
+    plain_id = plain.headers["x-liverl-completion-id"]
+    samples = {s.trajectory.completion_id: s
+               for s in accept_and_join(settings, api, [aligned, *answers, {"completion_id": plain_id}])}
+    assert samples[plain_id].trajectory.routed_experts is not None  # ...and its trajectory has them
 
     # What the learner received is what the replica answered, token for token and layer for layer.
     for answer in [aligned, *answers]:
