@@ -282,6 +282,11 @@ class Controller:
                           "replica (serving.replicas >= 2, or promotion.canary_guard=false)")
             return
         try:
+            # Recorded first, so a restart after the swap knows this canary is the controller's
+            # (and finishes it: without the guard, `judge` goes on to every replica).
+            if stable is not None:
+                self.registry.update_metrics(newest.version, canary={"started_at": time.time(),
+                                                                     "stable": stable.version})
             if not self.config.canary_guard:
                 self.state = f"promoting {newest.version}"
                 result = self.promoter.promote(newest.version, ACTOR)
@@ -289,8 +294,6 @@ class Controller:
                 return
             self.state = f"starting canary {newest.version}"
             assert stable is not None, "a canary is judged against stable"
-            # Recorded first, so a restart after the swap knows this canary is the controller's.
-            self.registry.update_metrics(newest.version, canary={"started_at": time.time(), "stable": stable.version})
             canary = self.promoter.start_canary(newest.version, ACTOR,
                                                 "offline gate passed; judged live against stable")
         except Exception as error:
