@@ -161,6 +161,7 @@ class Learner:
         self.holdout_ratios: tuple[str, dict[str, float]] = ("", {})
         self.dropped = {"stale": 0, "consent": 0, "malformed": 0, "already_trained": 0, "untrainable": 0,
                         "incomplete_group": 0, "uniform_group": 0}
+        self.dropped_ids: list[tuple[str, str]] = []  # (sample id, reason), recorded with the next offsets
         self.open_groups: dict[str, OpenGroup] = {}
         self.replay = ReplayBuffer(self.config.replay_buffer)  # rollout groups trained, for replay_groups
         self.next_offsets: dict[TopicPartition, int] = {}
@@ -216,9 +217,11 @@ class Learner:
         consumer.subscribe([Topics.SAMPLES], listener=self.assignment)
         return consumer
 
-    def drop(self, reason: str) -> None:
+    def drop(self, reason: str, sample_id: str | None = None) -> None:
         self.dropped[reason] += 1
         DROPPED.labels(reason).inc()
+        if sample_id is not None:
+            self.dropped_ids.append((sample_id, reason))
 
     def dead_letter(self, reason: str, payload: bytes, tenant: str | None) -> None:
         """What the learner cannot use goes to the dead-letter topic with the reason."""
@@ -239,11 +242,11 @@ class Learner:
             return self.drop("malformed")
         if (why := problem(sample, self.trainer.arch)) is not None:
             self.dead_letter(f"malformed: {why}", raw, sample.tenant)
-            return self.drop("malformed")
+            return self.drop("malformed", sample.sample_id)
         if sample.tenant in self.config.excluded_tenants:
-            return self.drop("consent")
+            return self.drop("consent", sample.sample_id)
         if self.stale(sample.trajectory.policy_version):
-            return self.drop("stale")
+            return self.drop("stale", sample.sample_id)
         if self.registry.trained([sample.sample_id]):
             return self.drop("already_trained")  # a revision after its sample was learned
         if sample.trajectory.group_size is not None:
@@ -263,7 +266,7 @@ class Learner:
             self.dead_letter(f"malformed: group {trajectory.group_id} has members of size {group.size} from "
                              f"{group.policy_version}, this one says {trajectory.group_size} from "
                              f"{trajectory.policy_version}", raw, sample.tenant)
-            return self.drop("malformed")
+            return self.drop("malformed", sample.sample_id)
         previous = group.members.get(sample.sample_id)
         if previous is None or sample.revision > previous.revision:
             group.members[sample.sample_id] = sample
@@ -272,8 +275,8 @@ class Learner:
         if self.config.drop_uniform_groups and group.complete and group.uniform and not held_out(
                 sample, self.config.holdout_fraction):  # the gate still sees its reward
             del self.open_groups[key]
-            for _ in group.members:
-                self.drop("uniform_group")
+            for sample_id in group.members:
+                self.drop("uniform_group", sample_id)
 
     def stale(self, version: str) -> bool:
         """Samples of `version` are too far behind the learner to train on. What serves now
@@ -298,8 +301,8 @@ class Learner:
         for key, group in list(self.open_groups.items()):
             if not group.complete and now - group.opened > self.config.group_timeout_s:
                 del self.open_groups[key]
-                for _ in group.members:
-                    self.drop("incomplete_group")
+                for sample_id in group.members:
+                    self.drop("incomplete_group", sample_id)
 
     def take_groups(self) -> list[OpenGroup]:
         """The complete groups this version trains (`choose_groups`), no longer open; the
@@ -309,8 +312,8 @@ class Learner:
         for key, group in list(self.complete_groups().items()):
             if group.passed_over and self.stale(group.policy_version):
                 del self.open_groups[key]
-                for _ in group.members:
-                    self.drop("stale")
+                for sample_id in group.members:
+                    self.drop("stale", sample_id)
         ready = self.complete_groups()
         chosen = choose_groups(list(ready.values()), len(self.pending), self.config.rollout_share)
         taken = {id(g) for g in chosen}
@@ -375,7 +378,7 @@ class Learner:
         for sample in batch:  # each poison pill is dead-lettered once, counted in this version
             if why := metrics["untrainable"].get(sample.sample_id):
                 self.dead_letter(why, encode(sample), sample.tenant)
-                self.drop("untrainable")
+                self.drop("untrainable", sample.sample_id)
         metrics["dropped"] = dict(self.dropped)
         metrics["after_rewind"] = self.applied_rewind  # Registry.head: trained after that rewind
         staged = self.settings.policies_dir / "staging-learner"
@@ -401,7 +404,7 @@ class Learner:
         crash_point("learner.after_save_state")
         version = self.registry.publish(
             staged, parent=self.current.version, window=self.window(batch), metrics=metrics,
-            sample_ids=[s.sample_id for s in batch], actor="learner",
+            sample_ids=[s.sample_id for s in batch], actor="learner", dropped=self.dropped_ids,
         )
         unnamed_state.replace(self.state_dir / f"{version.version}.pt")
         if self.holdout:
@@ -418,7 +421,7 @@ class Learner:
             reward=metrics["mean_reward"], seconds=round(metrics["train_seconds"], 2))
         self.current = version
         self.pending.clear()
-        self.dropped = dict.fromkeys(self.dropped, 0)
+        self.dropped, self.dropped_ids = dict.fromkeys(self.dropped, 0), []
         self.window_started = time.time()
         VERSION.set(version.seq)
         if self.settings.sync.transport == "delta":  # in the store before a swap looks for it
@@ -465,7 +468,9 @@ class Learner:
         """Nothing pending, yet offsets moved (all dropped): record them, so a drain ends."""
         if not self.pending and self.safe_offsets() != self.committed:
             self.registry.record_offsets(
-                self.cluster_id, {f"{tp.topic}:{tp.partition}": o for tp, o in self.safe_offsets().items()})
+                self.cluster_id, {f"{tp.topic}:{tp.partition}": o for tp, o in self.safe_offsets().items()},
+                self.dropped_ids)
+            self.dropped_ids = []
             self.commit(consumer)
 
     def run(self, stop: threading.Event) -> None:

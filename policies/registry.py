@@ -78,6 +78,10 @@ CREATE TABLE IF NOT EXISTS trained_samples (sample_id TEXT PRIMARY KEY, version 
 -- Every sample each version was written from, repeats kept: where exactly-once is checked.
 CREATE TABLE IF NOT EXISTS version_samples (version TEXT, sample_id TEXT);
 CREATE INDEX IF NOT EXISTS version_samples_by_sample ON version_samples (sample_id);
+-- Samples the learner consumed and will never train (stale, consent, poison...), written with
+-- the offsets that consumed them: a sample not learned is either here or not yet consumed.
+CREATE TABLE IF NOT EXISTS dropped_samples (sample_id TEXT, reason TEXT);
+CREATE INDEX IF NOT EXISTS dropped_samples_by_sample ON dropped_samples (sample_id);
 CREATE TABLE IF NOT EXISTS offsets (
     cluster_id TEXT, topic TEXT, partition INTEGER, next_offset INTEGER,
     PRIMARY KEY (cluster_id, topic, partition)
@@ -276,6 +280,16 @@ class Registry:
                 "GROUP BY sample_id", chunk).fetchall())
         return counts
 
+    def dropped(self, sample_ids: list[str]) -> dict[str, str]:
+        """Why each of `sample_ids` the learner dropped was dropped (absent: not dropped)."""
+        reasons: dict[str, str] = {}
+        for i in range(0, len(sample_ids), 500):
+            chunk = sample_ids[i:i + 500]
+            reasons.update(self.db.execute(
+                f"SELECT sample_id, reason FROM dropped_samples WHERE sample_id IN ({','.join('?' * len(chunk))})",
+                chunk).fetchall())
+        return reasons
+
     def seq_of(self, version: str) -> int | None:
         row = self.db.execute("SELECT seq FROM versions WHERE version = ?", (version,)).fetchone()
         return row[0] if row else None
@@ -283,8 +297,9 @@ class Registry:
     # --- writing -------------------------------------------------------------------------
     def publish(self, staged_dir: Path, *, parent: str | None, window: SampleWindow | None,
                 metrics: dict, sample_ids: list[str], actor: str,
-                state: State = "candidate") -> PolicyVersion:
-        """Move a fully written model directory in as the next version, atomically."""
+                state: State = "candidate", dropped: list[tuple[str, str]] | None = None) -> PolicyVersion:
+        """Move a fully written model directory in as the next version, atomically (with
+        the (sample id, reason) of the samples dropped since the last offsets recorded)."""
         latest = self.latest()
         seq = latest.seq + 1 if latest else 0
         version = f"v{seq}"
@@ -304,14 +319,18 @@ class Registry:
             db.executemany("INSERT INTO version_samples VALUES (?, ?)", [(version, s) for s in sample_ids])
             if window:
                 self._write_offsets(db, window.cluster_id, window.offsets)
+            db.executemany("INSERT INTO dropped_samples VALUES (?, ?)", dropped or [])
             db.execute("INSERT INTO events (version, at, from_state, to_state, actor, reason) "
                        "VALUES (?,?,?,?,?,?)", (version, time.time(), None, state, actor, "published"))
         return self.get(version)
 
-    def record_offsets(self, cluster_id: str, offsets: dict[str, int]) -> None:
-        """Advance offsets past samples that were consumed but not learned (dropped)."""
+    def record_offsets(self, cluster_id: str, offsets: dict[str, int],
+                       dropped: list[tuple[str, str]] | None = None) -> None:
+        """Advance offsets past samples that were consumed but not learned (dropped: their
+        (sample id, reason), kept with the offsets)."""
         with self.transaction() as db:
             self._write_offsets(db, cluster_id, offsets)
+            db.executemany("INSERT INTO dropped_samples VALUES (?, ?)", dropped or [])
 
     @staticmethod
     def _write_offsets(db: sqlite3.Connection, cluster_id: str, offsets: dict[str, int]) -> None:

@@ -106,6 +106,8 @@ def test_stale_samples_are_dropped_and_counted(settings, api):
              timeout=120)
     stale_ids = {f"dev:{b['body']['completion_id']}" for b in stale if b["type"] == "trajectory"}
     assert registry.trained(sorted(stale_ids)) == set()
+    # Each dropped by id, recorded with the offsets that consumed it.
+    wait_for(lambda: registry.dropped(sorted(stale_ids)) == dict.fromkeys(stale_ids, "stale"), timeout=60)
 
 
 def test_router_replay_mismatch_is_recorded_per_version(settings, api):
