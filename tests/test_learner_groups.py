@@ -119,7 +119,7 @@ def learner_with(config: dict, pending: int = 0, groups_waiting: list[OpenGroup]
     learner.pending = {f"s{i}": None for i in range(pending)}
     learner.open_groups = {f"g{i}": g for i, g in enumerate(groups_waiting)}
     learner.window_started = time.time()
-    learner.dropped = {"stale": 0, "incomplete_group": 0, "uniform_group": 0}
+    learner.dropped, learner.dropped_ids = {"stale": 0, "incomplete_group": 0, "uniform_group": 0}, []
     learner.current = SimpleNamespace(seq=current_seq)
     learner.serving = set()
     learner.registry = SimpleNamespace(seq_of=lambda version: int(version[1:]))
