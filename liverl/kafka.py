@@ -134,7 +134,12 @@ async def ensure_topics(settings: Settings) -> None:
 
 
 async def group_lag(settings: Settings, group: str, topics: tuple[str, ...]) -> int:
-    """Messages on `topics` not yet committed by consumer group `group`.
+    """Messages on `topics` not yet committed by consumer group `group`."""
+    return sum(max(end - committed, 0) for end, committed in (await group_positions(settings, group, topics)).values())
+
+
+async def group_positions(settings: Settings, group: str, topics: tuple[str, ...]) -> dict[str, tuple[int, int]]:
+    """'topic:partition' -> (its end, what consumer group `group` committed there).
 
     Uses a consumer's OffsetFetch (`committed`) rather than the admin API, which Tansu
     0.6 does not answer, and reads the last batch of each partition for its true end:
@@ -150,20 +155,18 @@ async def group_lag(settings: Settings, group: str, topics: tuple[str, ...]) -> 
         partitions = [TopicPartition(t, p) for t in topics
                       for p in sorted(consumer.partitions_for_topic(t) or ())]
         if not partitions:
-            return 0
+            return {}
         watermarks = await consumer.end_offsets(partitions)
         consumer.assign(partitions)
-        ends = {}
+        positions = {}
         for tp, watermark in watermarks.items():
-            ends[tp] = watermark
+            end = watermark
             if watermark > 0:
                 consumer.seek(tp, watermark - 1)
                 batch = await consumer.getmany(tp, timeout_ms=2000)
-                ends[tp] = max([watermark] + [m.offset + 1 for m in batch.get(tp, [])])
-        lag = 0
-        for tp, end in ends.items():
-            lag += max(end - (await consumer.committed(tp) or 0), 0)
-        return lag
+                end = max([watermark] + [m.offset + 1 for m in batch.get(tp, [])])
+            positions[f"{tp.topic}:{tp.partition}"] = (end, await consumer.committed(tp) or 0)
+        return positions
     finally:
         await consumer.stop()
 
