@@ -55,11 +55,16 @@ def cluster_id(settings: Settings) -> str:
 
 
 def store_command(settings: Settings) -> list[str]:
-    """The store keeping the broker's bucket under `data_dir/broker`."""
-    assert isinstance(settings.broker, EmbeddedBroker)
+    """The store keeping the broker's bucket under `data_dir/broker`, and its log within
+    retention (app.broker_retention: Tansu 0.6 on S3 applies none itself)."""
+    broker = settings.broker
+    assert isinstance(broker, EmbeddedBroker)
     return [sys.executable, "-m", "app.broker_store", "--directory", str(broker_dir(settings)), "--bucket", BUCKET,
-            "--host", settings.host, "--port", str(settings.broker.effective_store_port),
-            *(["--fsync"] if settings.broker.fsync else [])]
+            "--host", settings.host, "--port", str(broker.effective_store_port),
+            *(["--fsync"] if broker.fsync else []),
+            *(["--retention-hours", str(broker.retention_hours)] if broker.retention_hours else []),
+            *(["--retention-bytes", str(broker.retention_bytes)] if broker.retention_bytes else []),
+            "--retention-check-s", str(broker.retention_check_s), "--min-free-bytes", str(broker.min_free_bytes)]
 
 
 def broker_command(settings: Settings, cluster: str) -> tuple[list[str], dict[str, str]]:

@@ -68,6 +68,16 @@ class EmbeddedBroker(Config):
     fsync: bool = Field(False, description="The store fsyncs each batch before the broker acknowledges it: "
                         "survives a power cut, not only a kill, at the cost of a disk flush per produce.")
     partitions: int = Field(2, ge=1, description="Partitions per topic created at start.")
+    retention_hours: float | None = Field(
+        168.0, gt=0, description="Batches older than this that every consumer group has read are deleted "
+        "(storage disk; topics with cleanup.policy=compact: only superseded ones); None: kept forever.")
+    retention_bytes: int | None = Field(
+        None, gt=0, description="Per partition: read batches are deleted, oldest first, whatever their age, "
+        "while the partition holds more than this (storage disk); None: no size limit.")
+    retention_check_s: float = Field(60.0, gt=0, description="How often the store applies retention.")
+    min_free_bytes: int = Field(
+        1 << 30, ge=0, description="The store refuses new batches (the producer's ack fails: ingest answers 503) "
+        "while its volume has less free space than this, and alerts broker_disk_low once per episode.")
 
     @property
     def bootstrap(self) -> str:
