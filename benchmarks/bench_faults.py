@@ -244,11 +244,17 @@ def recover(settings: Settings, name: str, died: float, pid: int, ends: dict[str
 
     if wait(healthy, timeout - (time.time() - died)) is None:
         raise RuntimeError(f"{name} not healthy {timeout:.0f} s after its death; see {component(settings, name).log}")
-    result: dict[str, float | None] = {"healthy_s": time.time() - died, "caught_up_s": time.time() - died}
-    if ends:
-        result["caught_up_s"] = None if wait(lambda: caught_up(settings, ends), catch_up_s,
-                                             0.5) is None else time.time() - died
-    return result
+    healthy_s = time.time() - died
+    caught: dict[str, float | None] = dict.fromkeys(ends)  # each group's seconds to catch up (None: not yet)
+    deadline = time.time() + catch_up_s
+    while None in caught.values() and time.time() < deadline:
+        for group in [g for g, seconds in caught.items() if seconds is None]:
+            if caught_up(settings, {group: ends[group]}):
+                caught[group] = time.time() - died
+        time.sleep(0.5)
+    times = [t for t in caught.values() if t is not None]
+    return {"healthy_s": healthy_s, "groups": caught,
+            "caught_up_s": None if len(times) < len(caught) else max(times, default=healthy_s)}
 
 
 def kill(settings: Settings, name: str, catch_up_s: float) -> dict:
