@@ -18,6 +18,8 @@ import sys
 import uuid
 from pathlib import Path
 
+import httpx
+
 from liverl.settings import EmbeddedBroker, Settings
 
 BUCKET = "tansu"
@@ -65,6 +67,18 @@ def store_command(settings: Settings) -> list[str]:
             *(["--retention-hours", str(broker.retention_hours)] if broker.retention_hours else []),
             *(["--retention-bytes", str(broker.retention_bytes)] if broker.retention_bytes else []),
             "--retention-check-s", str(broker.retention_check_s), "--min-free-bytes", str(broker.min_free_bytes)]
+
+
+def store_health(settings: Settings) -> dict | None:
+    """The store's /health: free space, whether it refuses new batches, the last retention
+    pass; None when the topics are not on disk here or the store does not answer."""
+    broker = settings.broker
+    if not isinstance(broker, EmbeddedBroker) or broker.storage != "disk":
+        return None
+    try:
+        return httpx.get(f"http://{settings.host}:{broker.effective_store_port}/health", timeout=2).json()
+    except (httpx.HTTPError, ValueError):
+        return None
 
 
 def broker_command(settings: Settings, cluster: str) -> tuple[list[str], dict[str, str]]:

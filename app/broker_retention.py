@@ -76,7 +76,7 @@ def varint(data: bytes, pos: int) -> tuple[int, int]:
 
 def batch_records(body: bytes) -> Records | None:
     """Each record's (key, tombstone) in a v2 record batch; None when it cannot be read
-    (compressed, or not v2), so that the batch is kept."""
+    (compressed, not v2, or cut short), so that the batch is kept."""
     if len(body) < 61 or body[16] != 2:
         return None
     attributes = struct.unpack_from(">h", body, 21)[0]
@@ -85,16 +85,19 @@ def batch_records(body: bytes) -> Records | None:
     if attributes & 0x07:
         return None
     count, pos, records = struct.unpack_from(">i", body, 57)[0], 61, []
-    for _ in range(count):
-        length, pos = varint(body, pos)
-        end, at = pos + length, pos + 1  # past the record's attributes
-        _, at = varint(body, at)  # timestamp delta
-        _, at = varint(body, at)  # offset delta
-        key_length, at = varint(body, at)
-        key = None if key_length < 0 else body[at:at + key_length]
-        value_length, _ = varint(body, at + max(key_length, 0))
-        records.append((key, value_length < 0))
-        pos = end
+    try:
+        for _ in range(count):
+            length, pos = varint(body, pos)
+            end, at = pos + length, pos + 1  # past the record's attributes
+            _, at = varint(body, at)  # timestamp delta
+            _, at = varint(body, at)  # offset delta
+            key_length, at = varint(body, at)
+            key = None if key_length < 0 else body[at:at + key_length]
+            value_length, _ = varint(body, at + max(key_length, 0))
+            records.append((key, value_length < 0))
+            pos = end
+    except IndexError:
+        return None
     return records
 
 

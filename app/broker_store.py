@@ -57,7 +57,7 @@ from liverl.observability import log, setup_logging
 OBJECTS = "objects"  # DIR/objects/<bucket>/<key>: a key's slashes are folders
 XML = "application/xml"
 BATCH, WATERMARK = ".batch", "/watermark.json"  # a produce moves its partition's watermark, then adds a batch
-RECOVERED = 1.25, 64 << 20  # an episode of low disk ends with free space back above 1.25 x the minimum + 64 MiB
+MARGIN = 64 << 20  # an episode of low disk ends with free space back above 1.25 x the minimum + 64 MiB
 ALERT = "broker_disk_low"
 
 logger = setup_logging("broker-store")
@@ -201,7 +201,7 @@ class Disk:
     def free(self) -> int:
         free = shutil.disk_usage(self.path).free
         FREE.set(free)
-        if self.low and free >= self.min_free_bytes * RECOVERED[0] + RECOVERED[1]:
+        if self.low and free >= self.min_free_bytes * 1.25 + MARGIN:
             self.low = False
             LOW.set(0)
             log(logger, "disk space recovered: new batches accepted again", free_bytes=free)
@@ -245,6 +245,7 @@ class Disk:
         except httpx.HTTPError as failure:
             log(logger, "alert not delivered", alert=ALERT, error=repr(failure))
 
+
 class Upkeep:
     """What the store does besides storing: retention every `check_s`, the disk watched."""
 
@@ -274,7 +275,7 @@ class Upkeep:
             try:
                 result = await asyncio.to_thread(self.store.plan_retention, bucket, index, self.policy, cache)
                 self.store.apply_retention(bucket, result, cache)
-            except (OSError, ValueError, KeyError, TypeError) as failure:
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as failure:  # a file not as expected
                 log(logger, "retention pass failed", bucket=bucket, error=repr(failure))
                 continue
             deleted, freed = deleted + len(result.deleted), freed + result.freed_bytes

@@ -104,6 +104,10 @@ def status(data_dir: Path | None = DataDir, as_json: bool = typer.Option(False, 
     print_rows([{k: c.get(k) for k in ("name", "pid", "url", "healthy", "state", "restarts", "policy_version",
                                         "role")}
                 for c in report["components"]], f"cluster {report['cluster_id']}", whole=("name",))
+    if store := report["broker_store"]:  # the embedded broker's disk (docs/reliability.md)
+        console.print(f"broker store: {store['free_bytes'] / 1e9:.1f} GB free (refuses new events below "
+                      f"{store['min_free_bytes'] / 1e9:.1f} GB), {store['stored_bytes'] / 1e6:.0f} MB kept"
+                      + (": [red]DISK LOW, new events refused (503)[/red]" if store["disk_low"] else ""))
     if pause := report["lending"]["paused"]:
         console.print(f"lending to rollouts paused by {pause['actor']} at {pause['at']}: {pause['reason']}")
     if report["lending"]["events"]:

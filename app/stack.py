@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-from app.broker import BrokerSetupError, broker_command, broker_dir, cluster_id, store_command
+from app.broker import BrokerSetupError, broker_command, broker_dir, cluster_id, store_command, store_health
 from liverl.contracts import Topics
 from liverl.kafka import ensure_topics, group_lag
 from liverl.keys import KeyStore, admin_headers, write_private
@@ -420,7 +420,7 @@ def status(settings: Settings) -> dict:
                          role="starting (blue/green swap)", healthy=False))
     return {"running": True, "cluster_id": manifest.cluster_id,
             "keys_file": str(settings.data_dir / "dev-keys.json"), "components": rows,
-            "lending": lending_state(settings),
+            "lending": lending_state(settings), "broker_store": store_health(settings),
             "heldout": heldout_status(Registry(settings.policies_dir))}
 
 
