@@ -90,6 +90,8 @@ class Promoter:
             return self.registry.get(version)
         self.registry.update_metrics(version, swaps=[report.model_dump()])
         if not report.ok:
+            if stable:  # no candidate may continue a rolled-back version (continues_rejected): from stable
+                self.registry.request_rewind(stable.version, actor, f"{version}'s canary swap failed")
             return self.transition(version, "rolled_back", actor, f"{report.replica}: {report.error}")
         set_aliases(self.settings, canary=version)  # the gateway gives it serving.canary_share of sessions
         return self.registry.get(version)
@@ -147,8 +149,8 @@ class Promoter:
     @one_change_at_a_time
     def abort(self, version: str, actor: str, reason: str, state: State = "aborted") -> PolicyVersion:
         """Every replica serving `version` goes back to stable (verified); the version
-        leaves canary for `state`. Aborted for its quality, the learner is asked to
-        continue from stable rather than from it (a failed swap says nothing about that)."""
+        leaves canary for `state`. Aborted or rolled back (a failed swap), the learner is
+        asked to continue from stable: the controller takes no candidate built on either."""
         from serving.swap import roll_out
 
         self.registry.check(version, state, reason)
@@ -159,7 +161,7 @@ class Promoter:
                 log(logger, "could not put stable back", version=stable.version, error=failed[0].error)
         # Stable named again: a second pass of `serve_everywhere` that failed had moved it.
         set_aliases(self.settings, canary=None, **({"stable": stable.version} if stable else {}))
-        if stable and state == "aborted":  # before the move: killed in between, a restart aborts again
+        if stable and state in REJECTED:  # before the move: killed in between, a restart aborts again
             self.registry.request_rewind(stable.version, actor, f"{version} aborted: {reason}")
         return self.transition(version, state, actor, reason)
 
