@@ -286,7 +286,7 @@ def serves_verified(settings: Settings, registry: Registry, replica) -> bool:
     return replica.enabled
 
 
-def replica_mid_swap(settings: Settings, timeout: float = 300) -> dict:
+def replica_mid_swap(settings: Settings, timeout: float = 180) -> dict:
     """Kill a replica's engine (its whole session) while a swap has it out of rotation; it
     must come back serving one whole verified version."""
     registry = Registry(settings.policies_dir)
@@ -313,7 +313,7 @@ def replica_mid_swap(settings: Settings, timeout: float = 300) -> dict:
             "caught_up_s": seconds and time.time() - died}
 
 
-def controller_mid_canary(settings: Settings, timeout: float = 300) -> dict:
+def controller_mid_canary(settings: Settings, timeout: float = 180) -> dict:
     """Kill the controller while a version is in canary: that version must end stable or
     taken off (never left in canary), and every replica then serve stable, verified."""
     registry = Registry(settings.policies_dir)
@@ -445,8 +445,8 @@ def inject(settings: Settings, faults: list[str], steps: list[str], kills: int, 
 
     plan = [(name, [killing(name)] * kills) for name in faults]
     plan += [("learner steps", [dying_at(step) for step in steps]),
-             ("replica mid-swap", [lambda: replica_mid_swap(settings)] * kills),
-             ("controller mid-canary", [lambda: controller_mid_canary(settings)] * kills)]
+             ("controller mid-canary", [lambda: controller_mid_canary(settings)] * kills),
+             ("replica mid-swap", [lambda: replica_mid_swap(settings)] * kills)]
     phases = []
     for fault, injections in plan:
         phase: dict = {"fault": fault, "from": time.time(), "recoveries": []}
