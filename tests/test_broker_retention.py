@@ -25,7 +25,7 @@ from fastapi.testclient import TestClient
 from helpers import alert_receiver, item, wait_for
 
 from app.broker import cluster_id, store_health
-from app.broker_retention import Policy
+from app.broker_retention import Batch, Policy, expired, superseded
 from app.broker_store import Disk, Store, Upkeep
 from app.broker_store import create_app as create_store_app
 from app.stack import Launcher, stop_all
@@ -192,3 +192,19 @@ def test_a_disk_that_fills_before_the_threshold_is_refused_the_same_way(tmp_path
         assert [a["event"] for a in alerts] == ["broker_disk_low"]
     finally:
         receiver.shutdown()
+
+
+def test_retention_rules_size_limit_newest_batch_and_unreadable_batches():
+    """The rules on their own: a size limit takes the oldest first and never the newest
+    batch; a batch that cannot be read (compressed) keeps the tombstones after it."""
+    batches = [Batch(f"b{i}", i, 100, mtime_s=1_000.0) for i in range(5)]
+    young = Policy(retention_s=3_600, retention_bytes=250)  # nothing is old yet
+    assert [b.key for b in expired(batches, young, now_s=1_010.0)] == ["b0", "b1", "b2"]  # 500 -> 200 bytes
+    assert [b.key for b in expired(batches, Policy(1.0, None), now_s=9_999.0)] == ["b0", "b1", "b2", "b3"]
+
+    held: dict[str, list[tuple[bytes | None, bool]] | None] = {
+        "b0": [(b"a", False)], "b1": None, "b2": [(b"a", False)], "b3": [(b"a", True)], "b4": [(b"z", False)]}
+    # b0 is superseded by b2; b2 by the tombstone in b3; the tombstone stays: b1 may hold an older "a".
+    assert [b.key for b in superseded(batches, lambda b: held[b.key])] == ["b0", "b2"]
+    held["b1"] = [(b"y", False)]  # readable after all: now the tombstone has nothing older left
+    assert [b.key for b in superseded(batches, lambda b: held[b.key])] == ["b0", "b2", "b3"]
