@@ -594,7 +594,9 @@ def replica_add(name: str, url: str, reason: str = ChangeReason, data_dir: Path 
                 version: str | None = typer.Option(None, help="The version it serves (default: stable, or "
                                                       "the alias's version)."),
                 alias: str | None = typer.Option(None, help="Dedicate it to a team alias: it answers only "
-                                                    "requests naming the alias, and no swap touches it.")) -> None:
+                                                    "requests naming the alias, and no swap touches it."),
+                dtype: str | None = typer.Option(None, help="What it computes in (vLLM's --dtype; default "
+                                                    "serving.dtype): sets the probe's tolerance.")) -> None:
     """Route to a vLLM replica started elsewhere (`vllm serve` on the version's weights,
     served model name liverl-policy; serving/replica.Dockerfile's entry adds the routed
     experts to streamed answers): taken only once its answers reproduce the version's
@@ -626,7 +628,8 @@ def replica_add(name: str, url: str, reason: str = ChangeReason, data_dir: Path 
     if any(r.name == name for r in pool.replicas):
         fail(f"a replica named {name!r} is already in the pool (`liverl replica remove` it first)")
     try:
-        diff = verify(url, Path(record.model_dir), settings.learner.probe_tolerance)
+        tolerance = settings.learner.probe_tolerance_for(dtype or settings.serving.dtype)
+        diff = verify(url, Path(record.model_dir), tolerance)
     except VerificationFailed as error:
         fail(f"{url} does not serve {record.version}'s weights: {error}")
     except http.HTTPError as error:

@@ -237,7 +237,7 @@ def client_view(choice: dict[str, Any], asked: dict[str, Any], chat: bool) -> di
 
 def routing_only(chunk: dict[str, Any]) -> bool:
     """The chunk a replica adds to a stream to carry its choices' routing (serving/replica_server.py)."""
-    choices = chunk.get("choices")
+    choices = chunk.get("choices") or []
     return bool(choices) and all("routed_experts" in c for c in choices)
 
 

@@ -29,7 +29,7 @@ DONE = "data: [DONE]\n\n"
 
 def routing_chunk(routing: dict[int, str], chat: bool) -> str:
     """The chunk that carries each choice's routing, in the stream's own shape."""
-    filler = {"delta": {}} if chat else {"text": ""}
+    filler: dict[str, Any] = {"delta": {}} if chat else {"text": ""}
     return "data: " + json.dumps({
         "object": "chat.completion.chunk" if chat else "text_completion",
         "choices": [{"index": index, **filler, "routed_experts": experts}

@@ -114,6 +114,11 @@ def probe_diff(url: str, model_dir: Path) -> float:
         return max(pool.map(worst_of, probes), default=0.0)
 
 
+def probe_tolerance(settings: Settings) -> float:
+    """The probe's tolerance for the replicas liverl starts (they compute in serving.dtype)."""
+    return settings.learner.probe_tolerance_for(settings.serving.dtype)
+
+
 def verify(url: str, model_dir: Path, tolerance: float) -> float:
     diff = probe_diff(url, model_dir)
     if not diff <= tolerance:  # NaN included
@@ -258,7 +263,7 @@ def swap_in_place(settings: Settings, name: str, version: str, model_dir: Path, 
         report.load_mode, report.load_fallback = worker.get("mode"), worker.get("fallback")
         report.loaded_tensors, report.loaded_bytes = worker.get("tensors", 0), worker.get("loaded_bytes", 0)
         t = time.time()
-        report.max_logprob_diff = verify(old.url, model_dir, settings.learner.probe_tolerance)
+        report.max_logprob_diff = verify(old.url, model_dir, probe_tolerance(settings))
         report.verify_s = time.time() - t
         set_replica(settings, name, enabled=enable, policy_version=version, model_dir=str(model_dir))
         report.ok = True
@@ -275,7 +280,7 @@ def revert(settings: Settings, old: Replica, enable: bool = True) -> bool:
     try:
         with loading_whole():
             load_in_place(old.url, Path(old.model_dir))
-        verify(old.url, Path(old.model_dir), settings.learner.probe_tolerance)
+        verify(old.url, Path(old.model_dir), probe_tolerance(settings))
     except Exception:
         return swap_by_restart(settings, old.name, old.policy_version, Path(old.model_dir), enable).ok
     set_replica(settings, old.name, enabled=enable)
@@ -358,7 +363,7 @@ def swap_by_restart(settings: Settings, name: str, version: str, model_dir: Path
         wait_replica(settings, new, process)
         report.start_s = time.time() - started
         t = time.time()
-        report.max_logprob_diff = verify(new.url, model_dir, settings.learner.probe_tolerance)
+        report.max_logprob_diff = verify(new.url, model_dir, probe_tolerance(settings))
         report.verify_s = time.time() - t
     except Exception as error:  # the old replica serves on untouched
         stop_pid(process.pid)

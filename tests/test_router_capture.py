@@ -33,6 +33,7 @@ from liverl.kafka import read_topic
 from liverl.pool import Replica, edit_pool
 from liverl.settings import LearnerConfig, Settings
 from policies.registry import Registry
+from serving.swap import VerificationFailed, verify
 
 # A shared prefix longer than a KV block (128 tokens on CPU), so later requests read it from
 # the prefix cache, and their routing there from vLLM's block store; prompts of 243-248
@@ -164,6 +165,11 @@ def test_the_learner_trains_through_the_experts_a_bf16_replica_routed_to(setting
             answers = [first, *pool.map(concurrent_complete, SUFFIXES[1:] * 2, [False] * 4 + [True] * 4)]
     finally:
         restore(settings, bf16_replica, others)
+    # The swap's probe holds a bf16 replica of the right weights to the 16-bit tolerance, which
+    # passes it, not fp32's, which it reads about 500x over (docs/benchmarks.md).
+    assert verify(bf16_replica.url, Path(stable.model_dir), settings.learner.probe_tolerance_for("bfloat16")) > 0
+    with pytest.raises(VerificationFailed):
+        verify(bf16_replica.url, Path(stable.model_dir), settings.learner.probe_tolerance_for("float32"))
     # 9 requests, 2 blocks each to start (one shared) and a third to finish, in 6 blocks: some
     # were preempted and computed again.
     assert preemptions(bf16_replica.url) > 0

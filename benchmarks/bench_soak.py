@@ -1,0 +1,284 @@
+"""The soak (issue 43): the whole stack at a share of its measured sustained capacity for
+minutes, watching every process's resident memory, the stream's and the sink's consumer
+lag and every error, then checking that every acknowledged event is stored once.
+
+    .venv/bin/python benchmarks/bench_soak.py --minutes 10 --share 0.8 --out benchmarks/results/soak-NAME
+
+It starts its own stack (ports moved by --port-offset, data in --data-dir, the broker in
+--broker mode), learner and one replica on. Capacity is measured first, in the same run:
+ingest as fast as 4 clients can for --probe-s, then wait until the stream and the sink
+have stored it all; capacity = events / (burst + catch-up), what the stack keeps up with
+for good, not what the API accepts in a burst. Then the soak: every 0.1 s a batch at
+`share x capacity` events/s, a quarter of them trajectories with their feedback (joined,
+rewarded, learned), the rest feedback for completions the stream never sees (kept until
+their window closes), and one completion a second through the gateway. Every 10 s: each
+process's resident memory (children included), the consumer lags, the answers that were
+not 201, the supervisor's restarts. Results: a JSON, a table, a plot (memory and lag
+over time); docs/reliability.md has the runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Literal
+
+import httpx
+import psutil
+import typer
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from bench_ingest import settle, throughput  # noqa: E402
+from helpers import item  # noqa: E402
+
+from app.stack import DRAINED_GROUPS, down, drain, status, up  # noqa: E402
+from liverl.kafka import group_lag  # noqa: E402
+from liverl.keys import admin_headers  # noqa: E402
+from liverl.manifest import read_manifest  # noqa: E402
+from liverl.pool import read_pool  # noqa: E402
+from liverl.settings import EmbeddedBroker, PortsConfig, ServingConfig, Settings  # noqa: E402
+
+console = Console()
+READING_EVERY_S = 10.0
+
+
+def soak_settings(data_dir: Path, offset: int, broker: Literal["disk", "memory"]) -> Settings:
+    return Settings(
+        data_dir=data_dir,
+        ports=PortsConfig().shifted(10_000 + offset),
+        broker=EmbeddedBroker(port=29092 + offset, storage=broker),
+        serving=ServingConfig(replicas=1),
+    )
+
+
+class Load:
+    """Paced ingest at `rate` events/s and one gateway completion a second; counts what was
+    acknowledged and what was not."""
+
+    def __init__(self, settings: Settings, rate: float, run: str):
+        key = json.loads(settings.dev_keys_file.read_text())["tenant_key"]
+        auth = {"Authorization": f"Bearer {key}"}
+        self.api = httpx.Client(base_url=settings.url(settings.ports.api), timeout=30, headers=auth)
+        self.gateway = httpx.Client(base_url=settings.url(settings.ports.gateway), timeout=60, headers=auth)
+        self.rate, self.run = rate, run
+        self.acknowledged = 0
+        self.refused: dict[str, int] = {}
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self.ingest, daemon=True),
+                        threading.Thread(target=self.serve, daemon=True)]
+
+    def batch(self, size: int) -> list[dict]:
+        items = []
+        for i in range(size):
+            cid = f"cmpl-{self.run}-{uuid.uuid4().hex}"
+            if i % 8 == 0:  # a trajectory and its feedback: a quarter of the events
+                items.append(item(f"{self.run}-t-{cid}", {
+                    "completion_id": cid, "policy_version": "v0", "prompt_token_ids": [5, 6, 7],
+                    "completion_token_ids": [8, 9, 10, 11], "completion_logprobs": [-2.0, -2.1, -1.9, -2.2]},
+                    type="trajectory"))
+            items.append(item(f"{self.run}-f-{cid}", {"kind": "accept" if i % 2 else "reject", "completion_id": cid}))
+        return items[:size]
+
+    def count(self, status: str) -> None:
+        self.refused[status] = self.refused.get(status, 0) + 1
+
+    def send(self, batch: list[dict]) -> None:
+        for result in self.api.post("/v1/ingestion", json={"batch": batch}).json()["results"]:
+            if result["status"] == 201:
+                self.acknowledged += 1
+            else:
+                self.count(f"ingest {result['status']}")
+
+    def ingest(self) -> None:
+        tick, owed = 0.1, 0.0
+        next_send = time.perf_counter()
+        while not self.stop.is_set():
+            owed += self.rate * tick
+            size, owed = int(owed), owed - int(owed)
+            if size:
+                try:
+                    self.send(self.batch(size))
+                except (httpx.HTTPError, ValueError, KeyError) as error:
+                    self.count(f"ingest {type(error).__name__}")
+            next_send += tick
+            self.stop.wait(max(0.0, next_send - time.perf_counter()))
+
+    def serve(self) -> None:
+        while not self.stop.wait(1.0):
+            try:
+                answer = self.gateway.post("/v1/completions", json={"prompt": "def add(a, b):", "max_tokens": 16})
+                if answer.status_code != 200:
+                    self.count(f"gateway {answer.status_code}")
+                    continue
+                cid = answer.json()["completion_id"]
+                self.send([item(f"{self.run}-g-{cid}", {"kind": "accept", "completion_id": cid})])
+            except (httpx.HTTPError, ValueError, KeyError) as error:
+                self.count(f"gateway {type(error).__name__}")
+
+
+def processes(settings: Settings) -> dict[str, list[psutil.Process]]:
+    """Every process of the stack by component (a component's children counted with it)."""
+    roots = {c.name: c.pid for c in read_manifest(settings).components}  # type: ignore[union-attr]
+    roots.update({r.name: r.pid for r in read_pool(settings).replicas if r.pid})
+    found = {}
+    for name, pid in roots.items():
+        try:
+            root = psutil.Process(pid)
+            found[name] = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            found[name] = []
+    return found
+
+
+def rss_mib(settings: Settings) -> dict[str, float]:
+    def one(p: psutil.Process) -> int:
+        try:
+            return p.memory_info().rss
+        except psutil.NoSuchProcess:
+            return 0
+    return {name: sum(map(one, ps)) / 2**20 for name, ps in processes(settings).items()}
+
+
+def lags(settings: Settings) -> dict[str, int]:
+    groups = {**{g: topics for g, (_, topics) in DRAINED_GROUPS.items()}, "liverl-learner": ("rewarded-samples",)}
+    found = {}
+    for group, topics in groups.items():
+        try:
+            found[group] = asyncio.run(asyncio.wait_for(group_lag(settings, group, topics), 20))
+        except Exception:
+            found[group] = -1  # the broker did not answer in time: shown, not hidden
+    return found
+
+
+def stored(settings: Settings, run: str) -> tuple[int, int]:
+    """Rows of this run's events in ClickHouse (feedback and trajectories), and distinct
+    event ids among them."""
+    rows, distinct = 0, 0
+    for table in ("feedback_events", "trajectories"):
+        answer = httpx.post(settings.url(settings.ports.sink) + "/sql", headers=admin_headers(settings), timeout=120,
+                            json={"sql": f"SELECT count() AS n, uniqExact(event_id) AS d FROM {table} "
+                                         f"WHERE startsWith(event_id, '{run}-')", "format": "json"}).json()["data"][0]
+        rows, distinct = rows + int(answer["n"]), distinct + int(answer["d"])
+    return rows, distinct
+
+
+def restarts(settings: Settings) -> int:
+    return sum(int(c.get("restarts") or 0) for c in status(settings)["components"])
+
+
+def capacity(settings: Settings, probe_s: float) -> dict:
+    """Events a second the stack stores for good: a burst, then the catch-up."""
+    key = json.loads(settings.dev_keys_file.read_text())["tenant_key"]
+    started = time.perf_counter()
+    burst = asyncio.run(throughput(settings.url(settings.ports.api), key, probe_s, 4, 100))
+    burst_s = time.perf_counter() - started
+    with console.status("the stream and the sink catching up with the burst") as shown:
+        drain(settings, timeout=1800, say=lambda line: shown.update(f"catching up: {line}"))
+    total_s = time.perf_counter() - started
+    events = burst["events_per_s"] * burst_s
+    return {"burst_events": round(events), "burst_s": burst_s, "catch_up_s": total_s - burst_s,
+            "events_per_s": events / total_s}
+
+
+def table(readings: list[dict]) -> Table:
+    shown = Table(title="soak")
+    for column in ("t (s)", "acknowledged", "refused", "lag stream / sink / learner", "RSS MiB (largest 4)"):
+        shown.add_column(column)
+    for r in readings[-12:]:
+        largest = sorted(r["rss_mib"].items(), key=lambda kv: -kv[1])[:4]
+        shown.add_row(f"{r['t']:.0f}", f"{r['acknowledged']:,}", str(sum(r["refused"].values())),
+                      " / ".join(str(r["lags"][g]) for g in ("liverl-feedback", "liverl-sink", "liverl-learner")),
+                      ", ".join(f"{n} {v:.0f}" for n, v in largest))
+    return shown
+
+
+def plot(readings: list[dict], out: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (memory, lag) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
+    t = [r["t"] / 60 for r in readings]
+    for name in readings[0]["rss_mib"]:
+        memory.plot(t, [r["rss_mib"].get(name, 0) for r in readings], label=name)
+    memory.set_ylabel("resident MiB")
+    memory.legend(fontsize=7, ncol=3)
+    for group in readings[0]["lags"]:
+        lag.plot(t, [r["lags"][group] for r in readings], label=group)
+    lag.set_ylabel("consumer lag (messages)")
+    lag.set_xlabel("minutes into the soak")
+    lag.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "soak.png", dpi=110)
+
+
+def soak(settings: Settings, rate: float, minutes: float, run: str) -> tuple[Load, list[dict]]:
+    load = Load(settings, rate, run)
+    readings: list[dict] = []
+    started = time.perf_counter()
+    for thread in load.threads:
+        thread.start()
+    with Live(table(readings), console=console, refresh_per_second=1) as live:
+        while time.perf_counter() - started < minutes * 60:
+            time.sleep(READING_EVERY_S)
+            readings.append({"t": time.perf_counter() - started, "acknowledged": load.acknowledged,
+                             "refused": dict(load.refused), "lags": lags(settings), "rss_mib": rss_mib(settings),
+                             "restarts": restarts(settings)})
+            live.update(table(readings))
+    load.stop.set()
+    for thread in load.threads:
+        thread.join(60)
+    return load, readings
+
+
+def summary(cap: dict, rate: float, load: Load, readings: list[dict], found: tuple[int, int], drain_s: float) -> dict:
+    warm = next(r for r in readings if r["t"] >= 60)  # memory after the first minute's warm-up
+    last = readings[-1]
+    growth = {name: (last["rss_mib"].get(name, 0) - warm["rss_mib"][name]) for name in warm["rss_mib"]}
+    return {"capacity": cap, "rate": rate, "acknowledged": load.acknowledged, "refused": load.refused,
+            "stored": found[0], "stored_distinct": found[1], "drain_after_s": drain_s,
+            "max_lag": {g: max(r["lags"][g] for r in readings) for g in readings[0]["lags"]},
+            "median_lag": {g: statistics.median(r["lags"][g] for r in readings) for g in readings[0]["lags"]},
+            "rss_mib_at_1_min": warm["rss_mib"], "rss_mib_at_end": last["rss_mib"], "rss_growth_mib": growth,
+            "restarts": last["restarts"] - readings[0]["restarts"]}
+
+
+def main(minutes: float = typer.Option(10.0, help="How long the soak lasts."),
+         share: float = typer.Option(0.8, help="The soak's rate as a share of the measured capacity."),
+         probe_s: float = typer.Option(20.0, help="Seconds of the capacity burst."),
+         rate: float | None = typer.Option(None, help="Events a second, instead of measuring the capacity."),
+         broker: Literal["disk", "memory"] = typer.Option("disk", help="The embedded broker's storage."),
+         data_dir: Path = typer.Option(Path("/tmp/liverl-bench-soak")), port_offset: int = 6000,
+         out: Path = typer.Option(Path("bench-soak"))) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    settings = soak_settings(data_dir, port_offset, broker)
+    up(settings, say=console.print)
+    run = f"soak{uuid.uuid4().hex[:6]}"
+    try:
+        console.print(f"the stack settled in {settle(settings, 0.25):.0f} s")
+        cap = capacity(settings, probe_s) if rate is None else {"events_per_s": rate / share, "given": True}
+        rate = share * cap["events_per_s"]
+        console.print(f"capacity {cap['events_per_s']:,.0f} events/s: soaking at {rate:,.0f} for {minutes} min")
+        load, readings = soak(settings, rate, minutes, run)
+        started = time.perf_counter()
+        drain(settings, timeout=1800, say=lambda line: None)
+        result = summary(cap, rate, load, readings, stored(settings, run), time.perf_counter() - started)
+    finally:
+        down(settings, say=console.print, force=True)
+    (out / "soak.json").write_text(json.dumps({"summary": result, "readings": readings}, indent=1))
+    plot(readings, out)
+    console.print_json(json.dumps(result))
+
+
+if __name__ == "__main__":
+    typer.run(main)
