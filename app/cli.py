@@ -108,6 +108,12 @@ def status(data_dir: Path | None = DataDir, as_json: bool = typer.Option(False, 
         console.print(f"broker store: {store['free_bytes'] / 1e9:.1f} GB free (refuses new events below "
                       f"{store['min_free_bytes'] / 1e9:.1f} GB), {store['stored_bytes'] / 1e6:.0f} MB kept"
                       + (": [red]DISK LOW, new events refused (503)[/red]" if store["disk_low"] else ""))
+    if backlog := report["backlog"]:  # the supervisor's backlog watch
+        console.print("backlog: " + "; ".join(
+            f"{stage} " + ("[yellow]unknown (the broker did not answer)[/yellow]" if b is None else
+                           f"{b['messages']:,} waiting" + (f", oldest {b['oldest_s']:.1f} s" if b["oldest_s"] else "")
+                           + (" [red]LATE[/red]" if stage in backlog["late"] else ""))
+            for stage, b in backlog["stages"].items()) + f" (measured {backlog['measured_s_ago']:.0f} s ago)")
     if pause := report["lending"]["paused"]:
         console.print(f"lending to rollouts paused by {pause['actor']} at {pause['at']}: {pause['reason']}")
     if report["lending"]["events"]:

@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 
 from app.broker import BrokerSetupError, broker_command, broker_dir, cluster_id, store_command, store_health
+from liverl.backlog import backlog_view
 from liverl.contracts import Topics
 from liverl.kafka import ensure_topics, group_lag
 from liverl.keys import KeyStore, admin_headers, write_private
@@ -421,6 +422,7 @@ def status(settings: Settings) -> dict:
     return {"running": True, "cluster_id": manifest.cluster_id,
             "keys_file": str(settings.data_dir / "dev-keys.json"), "components": rows,
             "lending": lending_state(settings), "broker_store": store_health(settings),
+            "backlog": backlog_view(settings),
             "heldout": heldout_status(Registry(settings.policies_dir))}
 
 

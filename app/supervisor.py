@@ -9,6 +9,7 @@ a dead swap left behind), and a second owner would race it.
 
 Each restart is counted in the manifest (`liverl status`), in a metric and in the audit
 log; the time from a death seen to healthy again is a histogram (docs/reliability.md).
+Its process also runs the backlog watch (app/backlog_watch.py).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from fastapi import Depends, FastAPI, HTTPException, Request
 from prometheus_client import Counter, Gauge, Histogram
 from pydantic import BaseModel, Field
 
+from app.backlog_watch import BacklogWatch
 from app.stack import start
 from liverl.audit import AuditLog, Reason
 from liverl.http import service_app
@@ -57,8 +59,10 @@ class Supervisor:
         self.unhealthy_since: dict[str, float] = {}
         self.next_health_check = 0.0
         self.http = httpx.Client()
+        self.backlog = BacklogWatch(settings, lambda stage, reason: self.alert("backlog_old", stage, reason))
 
     def run(self, stop: threading.Event) -> None:
+        threading.Thread(target=self.backlog.run, args=(stop,), name="backlog-watch", daemon=True).start()
         while not stop.wait(self.config.poll_s):
             with self.lock:
                 self.look()
@@ -124,7 +128,7 @@ class Supervisor:
             reason = (f"died {len(deaths)} times in {self.config.window_s:.0f} s; left down: see "
                       f"{component.log}, then `liverl restart {component.name}`")
             self.audit.record(ACTOR, "component.down", component.name, reason, deaths=len(deaths))
-            self.alert(component.name, reason)
+            self.alert("component_down", component.name, reason)
             return
         backoff = min(self.config.backoff_s * 2 ** (len(deaths) - 1), self.config.max_backoff_s)
         self.due[component.name] = now + backoff
@@ -161,14 +165,14 @@ class Supervisor:
             write_manifest(self.settings, manifest)
             return component
 
-    def alert(self, component: str, reason: str) -> None:
+    def alert(self, event: str, component: str, reason: str) -> None:
         """Tell on-call, as the promotion controller does (payload in docs/production.md);
         a webhook that fails is logged, never retried into the loop."""
-        log(logger, "alert", alert="component_down", component=component, reason=reason)
+        log(logger, "alert", alert=event, component=component, reason=reason)
         webhook = self.settings.promotion.alert_webhook
         if webhook is None:
             return
-        payload = {"event": "component_down", "component": component, "version": None, "reason": reason,
+        payload = {"event": event, "component": component, "version": None, "reason": reason,
                    "at": datetime.now(UTC).isoformat(), "actor": ACTOR}
         try:
             httpx.post(str(webhook), json=payload, timeout=self.settings.promotion.alert_timeout_s).raise_for_status()

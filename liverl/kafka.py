@@ -16,6 +16,7 @@ from aiokafka.errors import TopicAlreadyExistsError
 from confluent_kafka import KafkaException, Producer
 from pydantic import BaseModel
 
+from liverl.backlog import Backlog
 from liverl.contracts import Topics
 from liverl.settings import KafkaBroker, Settings
 
@@ -169,6 +170,32 @@ async def group_positions(settings: Settings, group: str, topics: tuple[str, ...
         return positions
     finally:
         await consumer.stop()
+
+
+async def group_backlog(settings: Settings, group: str, topics: tuple[str, ...]) -> Backlog:
+    """Consumer group `group`'s backlog on `topics`: its lag, and the age of the message at
+    each partition's committed offset (the oldest it has not processed) by its timestamp."""
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+
+    positions = await group_positions(settings, group, topics)
+    behind = {key: committed for key, (end, committed) in positions.items() if end > committed}
+    if not behind:
+        return Backlog(messages=0)
+    messages = sum(positions[key][0] - committed for key, committed in behind.items())
+    consumer = AIOKafkaConsumer(bootstrap_servers=settings.bootstrap, enable_auto_commit=False)  # reads, joins no group
+    await consumer.start()
+    try:
+        partitions = {TopicPartition(key.rsplit(":", 1)[0], int(key.rsplit(":", 1)[1])): at
+                      for key, at in behind.items()}
+        consumer.assign(list(partitions))
+        oldest_ms = []
+        for tp, at in partitions.items():
+            consumer.seek(tp, at)
+            batch = await consumer.getmany(tp, timeout_ms=2000, max_records=1)
+            oldest_ms += [m.timestamp for m in batch.get(tp, [])]
+    finally:
+        await consumer.stop()
+    return Backlog(messages=messages, oldest_s=max(time.time() - min(oldest_ms) / 1000, 0.0) if oldest_ms else None)
 
 
 def check_reachable(settings: Settings) -> None:

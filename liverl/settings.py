@@ -546,6 +546,10 @@ class SupervisorConfig(Config):
     unhealthy_after_s: float = Field(30.0, gt=0, description="A live component whose health check has failed "
                                      "this long (after start_timeout_s of grace from its start) is stopped, then "
                                      "restarted as a death: a process alive but stuck serves no one.")
+    backlog_every_s: float = Field(10.0, gt=0, description="How often the stream's and the sink's backlog (lag "
+                                   "and the age of the oldest event waiting) is measured for status and alerts.")
+    backlog_alert_s: float = Field(300.0, gt=0, description="Alert backlog_old when the oldest event the stream "
+                                   "or the sink has not processed was produced longer ago than this.")
 
 
 class CapacityConfig(Config):

@@ -31,6 +31,7 @@ from fastapi.templating import Jinja2Templates
 from itsdangerous import BadSignature, URLSafeTimedSerializer
 
 from liverl.audit import AuditLog
+from liverl.backlog import backlog_view
 from liverl.http import Audit
 from liverl.keys import KeyRecord, KeyStore, require_admin, require_key
 from liverl.lending import lending_state, scheduler_answers
@@ -200,6 +201,7 @@ def page_state(controller: ControllerView, audit: AuditLog) -> dict:
                                  for r in pool.replicas]},
         "lending": lending,
         "learner": learner_health(settings, registry),
+        "backlog": backlog_view(settings),
         "history": registry.history()[-30:][::-1],
         "audit": [e.model_dump(mode="json") for e in reversed(audit.entries(limit=30))],
     }

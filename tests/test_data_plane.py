@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -259,6 +260,36 @@ def test_status_reports_every_component(settings):
         if os.path.exists(autogroup):
             assert open(autogroup).read().split()[-1] == str(settings.stream_nice)
         assert os.sched_getaffinity(pid) == set(settings.stream_cpus)
+
+
+def test_on_call_sees_the_backlog_and_is_alerted_once_when_a_stage_falls_behind(settings, api):
+    from app.backlog_watch import BacklogWatch
+
+    # The supervisor's watch measures it for status (every supervisor.backlog_every_s).
+    report = wait_for(lambda: json.loads(liverl(settings, "status", "--json").stdout)["backlog"], timeout=60)
+    assert set(report["stages"]) == {"stream", "sink"} and report["measured_s_ago"] < 60
+    assert "backlog: stream" in liverl(settings, "status").stdout
+    # A sink that stops taking events (stopped here for a few seconds: a stuck one) is late
+    # past the alert's age; on-call hears it once, and again only after it caught up.
+    alerts: list[str] = []
+    watch = BacklogWatch(settings.model_copy(update={"supervisor": settings.supervisor.model_copy(
+        update={"backlog_alert_s": 1.0})}), lambda stage, reason: alerts.append(stage))
+    sink = next(c for c in json.loads(liverl(settings, "status", "--json").stdout)["components"]
+                if c["name"] == "sink")
+    os.kill(sink["pid"], signal.SIGSTOP)
+    try:
+        batch = [item(f"backlog-{uuid.uuid4().hex}", {"kind": "accept", "completion_id": f"c-{uuid.uuid4().hex}"})
+                 for _ in range(5)]
+        assert api.post("/v1/ingestion", json={"batch": batch}).json()["accepted"] == 5
+        time.sleep(2.5)
+        late = watch.check()
+        assert late.stages["sink"].messages >= 5 and late.stages["sink"].oldest_s > 2.0
+        watch.check()
+    finally:
+        os.kill(sink["pid"], signal.SIGCONT)
+    assert alerts.count("sink") == 1  # once, though it was late at both looks
+    wait_for(lambda: "sink" not in watch.check().late(), timeout=60)
+    assert "sink" not in watch.alerted  # a later episode alerts again
 
 
 def test_dead_letters_can_be_listed_and_replayed(settings):

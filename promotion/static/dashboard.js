@@ -76,6 +76,11 @@ function render(state) {
     ["pending samples", learner.pending], ["paused", learner.paused ? "yes" : "no"],
     ["dropped since last version", JSON.stringify(learner.dropped_since_last_version)]];
   fill("#learner", learnerRows.map((r) => row(r, { 1: "wrap" })));
+  const backlog = state.backlog;  // the supervisor's backlog watch
+  fill("#backlog", backlog ? Object.entries(backlog.stages).map(([stage, b]) => row([
+    stage, b ? b.messages.toLocaleString() : "unknown (broker not answering)",
+    b && b.oldest_s != null ? `${b.oldest_s.toFixed(1)} s` : "", `${backlog.measured_s_ago.toFixed(0)} s ago`],
+    { 2: backlog.late.includes(stage) ? "error" : "" })) : [row(["not measured yet (no supervisor?)"])]);
   fill("#versions", state.versions.map((v) => {
     const buttons = document.createElement("span");
     if (v.state === "candidate" || v.state === "canary") buttons.append(actionButton("Promote", "promote", v.version));
