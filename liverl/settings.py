@@ -18,9 +18,11 @@ from typing import Annotated, Literal
 from pydantic import (
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
     HttpUrl,
     SecretStr,
+    Tag,
     ValidationError,
     field_serializer,
     model_validator,
@@ -100,7 +102,16 @@ class KafkaBroker(Config):
 
 SECRET_FIELDS = {"warehouse": {"password"}, "delta_store": {"secret_access_key"}}
 
-BrokerConfig = Annotated[EmbeddedBroker | KafkaBroker, Field(discriminator="kind")]
+def kind_or(default: str) -> Discriminator:
+    """Tell an embedded-or-server choice by its `kind`, the embedded one when none is given: so
+    `LIVERL_BROKER__STORAGE=memory` alone sets a field of the default broker."""
+    def kind(value: object) -> str:
+        return value.get("kind", default) if isinstance(value, dict) else getattr(value, "kind", default)
+    return Discriminator(kind)
+
+
+BrokerConfig = Annotated[Annotated[EmbeddedBroker, Tag("embedded")] | Annotated[KafkaBroker, Tag("kafka")],
+                         kind_or("embedded")]
 
 
 # --- ClickHouse ------------------------------------------------------------------------
@@ -135,7 +146,8 @@ class ClickHouseServer(WarehouseWrites):
     _password = field_serializer("password")(reveal_secret)
 
 
-WarehouseConfig = Annotated[ChdbWarehouse | ClickHouseServer, Field(discriminator="kind")]
+WarehouseConfig = Annotated[Annotated[ChdbWarehouse, Tag("chdb")] | Annotated[ClickHouseServer, Tag("server")],
+                            kind_or("chdb")]
 
 
 # --- Delta store -------------------------------------------------------------------------
@@ -161,7 +173,8 @@ class S3DeltaStore(Config):
     _secret = field_serializer("secret_access_key")(reveal_secret)
 
 
-DeltaStoreConfig = Annotated[LocalDeltaStore | S3DeltaStore, Field(discriminator="kind")]
+DeltaStoreConfig = Annotated[Annotated[LocalDeltaStore, Tag("local")] | Annotated[S3DeltaStore, Tag("s3")],
+                             kind_or("local")]
 
 
 class SyncConfig(Config):
