@@ -346,10 +346,15 @@ def controller_mid_canary(settings: Settings, timeout: float = 180) -> dict:
 
 
 def stored_counts(settings: Settings) -> dict[str, int]:
+    """How many times each of the suite's events is stored, read in slices by hash: the
+    analyst SQL answers at most 100,000 rows a query."""
     counts = {}
     for table in ("feedback_events", "trajectories"):
-        counts.update({r["event_id"]: r["n"] for r in sql(
-            settings, f"SELECT event_id, count() AS n FROM {table} WHERE event_id LIKE 'fault-%' GROUP BY event_id")})
+        ours = f"FROM {table} WHERE event_id LIKE 'fault-%'"
+        slices = sql(settings, f"SELECT count() AS n {ours}")[0]["n"] // 50_000 + 1
+        for k in range(slices):
+            counts.update({r["event_id"]: r["n"] for r in sql(settings, (
+                f"SELECT event_id, count() AS n {ours} AND cityHash64(event_id) % {slices} = {k} GROUP BY event_id"))})
     return counts
 
 
@@ -528,24 +533,47 @@ def main(data_dir: Path = typer.Option(Path("/tmp/liverl-bench-faults"), help="T
         load.stop.set()
         load.thread.join(timeout=60)
         # What was acknowledged, kept beside the stack: the check can be made again by hand.
+        run = {"refused": load.refused, "rate": rate, "samples_per_s": load.samples_per_s,
+               "learner_samples_per_s": learner_rate, "samples_share": samples_share, "kills": kills,
+               "seed": seed, "started": started}
         (data_dir / "fault-load.json").write_text(json.dumps({"acknowledged": load.acknowledged,
-                                                              "samples": load.samples, "phases": phases}))
-        settled = settle(settings, load, settle_s)
-        check(settings, load, phases)
+                                                              "samples": load.samples, "phases": phases, "run": run}))
+        finish(settings, load, phases, run, settle_s, out)
     finally:
         load.stop.set()
         down(settings, say=console.print, force=True)
+
+
+def finish(settings: Settings, load: Load, phases: list[dict], run: dict, settle_s: float, out: Path | None) -> None:
+    """The end of a run: settle, check, the table, the JSON."""
+    settled = settle(settings, load, settle_s)
+    check(settings, load, phases)
     console.print(report(phases))
-    console.print(f"refused (503 or no answer, the client's to send again): {load.refused}; settled: {settled}")
+    console.print(f"refused (503 or no answer, the client's to send again): {run['refused']}; settled: {settled}")
     if out:
-        out.write_text(json.dumps({
-            "phases": phases, "refused": load.refused, "rate": rate, "samples_per_s": load.samples_per_s,
-            "learner_samples_per_s": learner_rate, "samples_share": samples_share, "kills": kills, "seed": seed,
-            "settled": settled, "started": started, "seconds": time.time() - started}, indent=2))
+        out.write_text(json.dumps({"phases": phases, **run, "settled": settled,
+                                   "seconds": time.time() - run["started"]}, indent=2))
+
+
+def resume(data_dir: Path, port_offset: int, settle_s: float, out: Path) -> None:
+    """A run whose end failed, finished on its data directory: the stack started again on
+    what it kept (the broker's topics, ClickHouse, the registry), then settled and checked
+    against what was acknowledged (`fault-load.json`)."""
+    settings = fault_settings(data_dir, port_offset)
+    saved = json.loads((data_dir / "fault-load.json").read_text())
+    up(settings, say=console.print, progress=False)
+    try:
+        load = Load(settings, 0, 0)
+        load.acknowledged, load.samples = [tuple(a) for a in saved["acknowledged"]], saved["samples"]
+        finish(settings, load, saved["phases"], saved["run"], settle_s, out)
+    finally:
+        down(settings, say=console.print, force=True)
 
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["summarise"]:  # the docs' tables from earlier runs' JSON
         summarise([Path(a) for a in sys.argv[2:]])
+    elif sys.argv[1:2] == ["resume"]:  # resume DATA_DIR PORT_OFFSET OUT
+        resume(Path(sys.argv[2]), int(sys.argv[3]), 600, Path(sys.argv[4]))
     else:
         typer.run(main)
