@@ -9,9 +9,11 @@ It starts its own stack (ports moved by --port-offset, data in --data-dir, the b
 ingest as fast as 4 clients can for --probe-s, then wait until the stream and the sink
 have stored it all; capacity = events / (burst + catch-up), what the stack keeps up with
 for good, not what the API accepts in a burst. Then the soak: every 0.1 s a batch at
-`share x capacity` events/s, a quarter of them trajectories with their feedback (joined,
-rewarded, learned), the rest feedback for completions the stream never sees (kept until
-their window closes), and one completion a second through the gateway. Every 10 s: each
+`share x capacity` events/s, completions' trajectories each with its user's feedback
+(joined, rewarded, handed to the learner, which keeps up with a small share of them and
+lags by design), and one completion a second through the gateway. The stream keeps each
+completion for `--window-s` (feedback.reward_window_s): its memory grows for one window,
+then must stay flat. Every 10 s: each
 process's resident memory (children included), the consumer lags, the answers that were
 not 201, the supervisor's restarts. Results: a JSON, a table, a plot (memory and lag
 over time); docs/reliability.md has the runs.
@@ -46,18 +48,19 @@ from liverl.kafka import group_lag  # noqa: E402
 from liverl.keys import admin_headers  # noqa: E402
 from liverl.manifest import read_manifest  # noqa: E402
 from liverl.pool import read_pool  # noqa: E402
-from liverl.settings import EmbeddedBroker, PortsConfig, ServingConfig, Settings  # noqa: E402
+from liverl.settings import EmbeddedBroker, FeedbackConfig, PortsConfig, ServingConfig, Settings  # noqa: E402
 
 console = Console()
 READING_EVERY_S = 10.0
 
 
-def soak_settings(data_dir: Path, offset: int, broker: Literal["disk", "memory"]) -> Settings:
+def soak_settings(data_dir: Path, offset: int, broker: Literal["disk", "memory"], window_s: float) -> Settings:
     return Settings(
         data_dir=data_dir,
         ports=PortsConfig().shifted(10_000 + offset),
         broker=EmbeddedBroker(port=29092 + offset, storage=broker),
         serving=ServingConfig(replicas=1),
+        feedback=FeedbackConfig(reward_window_s=window_s),
     )
 
 
@@ -78,16 +81,16 @@ class Load:
                         threading.Thread(target=self.serve, daemon=True)]
 
     def batch(self, size: int) -> list[dict]:
+        """`size` events: completions' trajectories, each followed by its user's feedback."""
         items = []
-        for i in range(size):
+        for i in range(0, size, 2):
             cid = f"cmpl-{self.run}-{uuid.uuid4().hex}"
-            if i % 8 == 0:  # a trajectory and its feedback: a quarter of the events
-                items.append(item(f"{self.run}-t-{cid}", {
-                    "completion_id": cid, "policy_version": "v0", "prompt_token_ids": [5, 6, 7],
-                    "completion_token_ids": [8, 9, 10, 11], "completion_logprobs": [-2.0, -2.1, -1.9, -2.2]},
-                    type="trajectory"))
-            items.append(item(f"{self.run}-f-{cid}", {"kind": "accept" if i % 2 else "reject", "completion_id": cid}))
-        return items[:size]
+            items.append(item(f"{self.run}-t-{cid}", {
+                "completion_id": cid, "policy_version": "v0", "prompt_token_ids": [5, 6, 7],
+                "completion_token_ids": [8, 9, 10, 11], "completion_logprobs": [-2.0, -2.1, -1.9, -2.2]},
+                type="trajectory"))
+            items.append(item(f"{self.run}-f-{cid}", {"kind": "accept" if i % 4 else "reject", "completion_id": cid}))
+        return items
 
     def count(self, status: str) -> None:
         self.refused[status] = self.refused.get(status, 0) + 1
@@ -258,10 +261,12 @@ def main(minutes: float = typer.Option(10.0, help="How long the soak lasts."),
          probe_s: float = typer.Option(20.0, help="Seconds of the capacity burst."),
          rate: float | None = typer.Option(None, help="Events a second, instead of measuring the capacity."),
          broker: Literal["disk", "memory"] = typer.Option("disk", help="The embedded broker's storage."),
+         window_s: float = typer.Option(60.0, help="feedback.reward_window_s: the stream keeps each completion "
+                                        "this long, so its memory is flat only after one window (default 1 h)."),
          data_dir: Path = typer.Option(Path("/tmp/liverl-bench-soak")), port_offset: int = 6000,
          out: Path = typer.Option(Path("bench-soak"))) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    settings = soak_settings(data_dir, port_offset, broker)
+    settings = soak_settings(data_dir, port_offset, broker, window_s)
     up(settings, say=console.print)
     run = f"soak{uuid.uuid4().hex[:6]}"
     try:
