@@ -44,6 +44,7 @@ logger = setup_logging("feedback")  # the join logs through it too (feedback.joi
 gc.set_threshold(100_000, 50, 100)
 
 settings = get_settings()
+SESSION_TIMEOUT_S = 10.0  # with a heartbeat every 2 s: a worker is dropped after 5 missed in a row
 
 
 app = faust.App(
@@ -57,6 +58,11 @@ app = faust.App(
     datadir=str(settings.data_dir / "faust"),
     consumer_auto_offset_reset="earliest",
     stream_buffer_maxsize=2 * settings.feedback.batch_events,  # the next batch fills while one is processed
+    # A worker killed (or stopped without leaving the group) stays a member until the broker has
+    # not heard from it for the session timeout, and its successor gets no partitions before
+    # then: with faust's 60 s the windows of a restarted worker stayed shut for about two minutes.
+    broker_session_timeout=SESSION_TIMEOUT_S,
+    broker_heartbeat_interval=SESSION_TIMEOUT_S / 5,
 )
 raw: dict[str, Any] = {"key_serializer": "raw", "value_serializer": "raw"}
 incoming = app.topic(Topics.TRAJECTORIES, Topics.FEEDBACK, **raw)
@@ -71,6 +77,9 @@ feedback_join = FeedbackJoin(
 )
 
 
+recovery: dict[str, float | None] = {"at": None}  # when the table was last recovered (at each rebalance)
+
+
 @completions.on_recover
 async def recovered() -> None:
     """Each recovered entry is its state's JSON, which faust's json codec decoded: typed
@@ -80,8 +89,17 @@ async def recovered() -> None:
         if not isinstance(value, CompletionState):
             store[key] = CompletionState.model_validate(value)
     feedback_join.reindex()
+    recovery["at"] = time.time()
     logger.info("table recovered: %d completions, the next window due %s", len(store),
                 min(feedback_join.due, default=None))
+
+
+@app.page("/table")
+async def table_state(web: Any, _request: Any) -> Any:
+    """The table as this worker holds it: when it was recovered (None: not yet, its windows not
+    reindexed), how many completions it holds, when the next window falls due."""
+    return web.json({"recovered_at": recovery["at"], "completions": len(completions.data),
+                     "next_due": feedback_join.due[0][0] if feedback_join.due else None})
 
 
 class Outbox:

@@ -37,6 +37,10 @@ def settings(tmp_path_factory: pytest.TempPathFactory, starter_dir: Path) -> Set
     # Ports away from the defaults, so a developer's own stack keeps running; another
     # LIVERL_TEST_PORT_OFFSET lets two suites run side by side.
     offset = int(os.environ.get("LIVERL_TEST_PORT_OFFSET", "0"))
+    # One tenant's windows close with a default reward (tests/test_stream_restart.py); every
+    # other tenant keeps the default config, which emits none.
+    rewards = tmp_path_factory.mktemp("rewards") / "rewards.yaml"
+    rewards.write_text("tenants:\n  restart:\n    default_reward: 0.25\n")
     return Settings(
         data_dir=tmp_path_factory.mktemp("liverl"),
         ports=PortsConfig(api=28080 + offset, gateway=28000 + offset, sink=28090 + offset,
@@ -49,7 +53,9 @@ def settings(tmp_path_factory: pytest.TempPathFactory, starter_dir: Path) -> Set
         # a canary gets a quarter of the sessions.
         serving=ServingConfig(replicas=2, kv_cache_gib=1, canary_share=0.25),
         stream_cpus=[0],  # every machine has a CPU 0
-        feedback=FeedbackConfig(reward_window_s=6.0, sweep_interval_s=1.0, max_feedback_per_completion=4),
+        # A window outlasts a restart of the stream (tests/test_stream_restart.py).
+        feedback=FeedbackConfig(reward_window_s=30.0, sweep_interval_s=1.0, max_feedback_per_completion=4,
+                                reward_config=rewards),
         learner=LearnerConfig(batch_samples=32, min_samples=1, max_version_lag=3, lr=3e-4,
                               gate_min_ess=1.0, gate_margin=1.0),
         # Every candidate is promoted on the offline gate alone, so tests own the pace;

@@ -1,0 +1,158 @@
+"""The feedback stream's state outlives its worker: killed (SIGKILL) with reward windows open,
+alone or with the broker, and started again by the supervisor, the worker recovers its table
+from the changelog and every window's outcome comes out exactly once: the revisions go on from
+where they were, a silent completion gets its tenant's default reward at its original deadline
+(not the restart's time plus a window), feedback that found no trajectory is dead-lettered.
+
+Read from the topics the learner and the sink read, not from ClickHouse, whose tables keep one
+row per event id and could not show an outcome sent twice."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import uuid
+from datetime import UTC, datetime
+
+import httpx
+from helpers import item, sql, wait_for
+from kafka import KafkaConsumer, TopicPartition
+
+from app.stack import component_healthy
+from feedback.join import UNJOINABLE
+from liverl.contracts import Topics
+from liverl.kafka import KAFKA_PYTHON_API_VERSION
+from liverl.keys import KeyStore
+from liverl.manifest import read_manifest
+from liverl.process import alive
+
+TENANT = "restart"  # the one tenant whose windows close with a default reward (tests/conftest.py)
+DEFAULT_REWARD = 0.25
+
+
+def component(settings, name: str):
+    return next(c for c in read_manifest(settings).components if c.name == name)
+
+
+def read_all(settings, topic: str) -> list[dict]:
+    """Every message on `topic`, from the beginning until a poll finds nothing more (not up to
+    the high watermark, which Tansu puts at its last batch's base offset + 1)."""
+    consumer = KafkaConsumer(bootstrap_servers=settings.bootstrap, enable_auto_commit=False,
+                             api_version=KAFKA_PYTHON_API_VERSION)
+    try:
+        partitions = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic) or ()]
+        consumer.assign(partitions)
+        consumer.seek_to_beginning(*partitions)
+        values = []
+        while polled := consumer.poll(timeout_ms=1500):
+            values += [json.loads(r.value) for records in polled.values() for r in records]
+        return values
+    finally:
+        consumer.close()
+
+
+def outcomes(settings, run: str) -> tuple[list[dict], list[dict]]:
+    """This run's samples and the dead letters of its feedback, as sent."""
+    samples = [s for s in read_all(settings, Topics.SAMPLES) if run in s["sample_id"]]
+    letters = [d for d in read_all(settings, Topics.DEAD_LETTER) if run in d["payload"]]
+    return samples, letters
+
+
+def ingest(client: httpx.Client, items: list[dict], timeout: float = 60) -> None:
+    """Until the broker has acknowledged every item (it answers 503 while it is down)."""
+    waiting = {i["id"]: i for i in items}
+    deadline = time.time() + timeout
+    while waiting and time.time() < deadline:
+        try:
+            results = client.post("/v1/ingestion", json={"batch": list(waiting.values())}).json()["results"]
+        except httpx.HTTPError:
+            results = []
+        for result in results:
+            if result["status"] == 201:
+                waiting.pop(result["id"])
+            else:
+                assert result["status"] == 503, result
+        if waiting:
+            time.sleep(0.5)
+    assert not waiting, f"not acknowledged within {timeout} s: {list(waiting)}"
+
+
+def trajectory(completion_id: str, served_at: float) -> dict:
+    served = datetime.fromtimestamp(served_at, UTC).isoformat()
+    return dict(item(f"t-{completion_id}", {
+        "completion_id": completion_id, "policy_version": "v0", "prompt_token_ids": [5, 6, 7],
+        "completion_token_ids": [8, 9, 10], "completion_logprobs": [-2.0, -2.1, -1.9]}, type="trajectory"),
+        timestamp=served)
+
+
+def feedback(completion_id: str, kind: str) -> dict:
+    return item(f"f-{uuid.uuid4().hex}", {"kind": kind, "completion_id": completion_id})
+
+
+def recovered_since(settings, since: float) -> float | None:
+    """When the worker last recovered its table (and reindexed its windows), if after `since`."""
+    try:
+        at = httpx.get(settings.url(settings.ports.feedback) + "/table", timeout=5).json()["recovered_at"]
+    except httpx.HTTPError:
+        return None
+    return at if at is not None and at >= since else None
+
+
+def killed(settings, victims: tuple[str, ...]) -> dict:
+    """SIGKILL each victim at once; their manifest entries from before."""
+    before = {name: component(settings, name) for name in victims}
+    for c in before.values():
+        os.kill(c.pid, signal.SIGKILL)
+    return before
+
+
+def restarted(settings, before: dict) -> None:
+    """Until the supervisor has each one started again and healthy."""
+    def back(old) -> bool:
+        now = component(settings, old.name)
+        return now.pid != old.pid and alive(now.pid) and now.restarts == old.restarts + 1 and component_healthy(now)
+    wait_for(lambda: all(back(c) for c in before.values()), timeout=90)
+
+
+def test_open_windows_outlive_a_killed_stream_and_broker(settings, stack):
+    victims = ("feedback", "broker")  # the worker recovers its table from a broker restarted from disk
+    key, _ = KeyStore(settings.keys_file).create(TENANT, scopes=["feedback", "trajectories"])
+    run = uuid.uuid4().hex[:8]
+    # heard: feedback before the kill and after the restart (revisions 0 and 1); silent: no
+    # feedback (the default reward at its deadline); orphan: feedback for a completion never
+    # served (a dead letter when its window closes).
+    heard, silent, orphan = (f"cmpl-{name}-{run}" for name in ("heard", "silent", "orphan"))
+    window, sweep = settings.feedback.reward_window_s, settings.feedback.sweep_interval_s
+    with httpx.Client(base_url=settings.url(settings.ports.api), timeout=30,
+                      headers={"Authorization": f"Bearer {key}"}) as client:
+        served_at = time.time()
+        ingest(client, [trajectory(heard, served_at), trajectory(silent, served_at),
+                        feedback(heard, "accept"), feedback(orphan, "accept")])
+        # Revision 0 in the warehouse: the stream has joined them and changelogged their windows.
+        wait_for(lambda: sql(settings, f"SELECT count() AS n FROM samples WHERE sample_id = '{TENANT}:{heard}'")
+                 [0]["n"], timeout=window / 2)
+        killed_at = time.time()
+        restarted(settings, killed(settings, victims))
+        recovered = wait_for(lambda: recovered_since(settings, killed_at), timeout=window)
+        print(f"stream back {recovered - killed_at:.1f} s after the kill")
+        assert recovered < served_at + window - 2 * sweep, "the windows closed while the stream was down"
+        ingest(client, [feedback(heard, "reject")])
+    deadline = served_at + window
+
+    def complete():
+        samples, letters = outcomes(settings, run)
+        return (samples, letters) if len(samples) >= 3 and letters else None
+    wait_for(complete, timeout=window, interval=1)
+    time.sleep(2 * sweep)  # anything sent twice would be out by now
+    samples, letters = outcomes(settings, run)
+    assert sorted((s["sample_id"], s["revision"], s["reward_source"]) for s in samples) == [
+        (f"{TENANT}:{heard}", 0, "feedback"), (f"{TENANT}:{heard}", 1, "feedback"),
+        (f"{TENANT}:{silent}", 0, "default")]
+    assert [(d["reason"], json.loads(d["payload"])["body"]["completion_id"]) for d in letters] == [(UNJOINABLE, orphan)]
+    default = next(s for s in samples if s["reward_source"] == "default")
+    # At its original deadline, which the restart did not move (a sweep's lateness allowed).
+    emitted = datetime.fromisoformat(default["timestamp"]).timestamp()
+    assert (default["reward"], deadline <= emitted <= deadline + sweep + 1) == (DEFAULT_REWARD, True), \
+        f"default {emitted - served_at:.1f} s after serving; window {window} s, back {recovered - served_at:.1f} s"
