@@ -485,7 +485,7 @@ def summarise(results: list[Path]) -> None:
     for path, run in zip(results, runs, strict=True):
         print(f"\n{path.name}: {run['rate']} events/s and {run['samples_per_s']:.1f} samples/s "
               f"(learner measured at {run['learner_samples_per_s']:.1f}/s), seed {run['seed']}, "
-              f"{run['seconds'] / 60:.0f} min, refused {run['refused']:,}\n")
+              f"{run['seconds'] / 60:.0f} min, refused {run['refused']}\n")
         print(header)
         print("\n".join(markdown_rows(run["phases"])))
     print("\nacross runs, median (min-max):\n")
