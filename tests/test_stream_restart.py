@@ -1,8 +1,9 @@
 """The feedback stream's state outlives its worker: killed (SIGKILL) with reward windows open,
-alone or with the broker, and started again by the supervisor, the worker recovers its table
-from the changelog and every window's outcome comes out exactly once: the revisions go on from
-where they were, a silent completion gets its tenant's default reward at its original deadline
-(not the restart's time plus a window), feedback that found no trajectory is dead-lettered.
+together with the broker, and started again by the supervisor, the worker recovers its table
+from the changelog on disk and every window's outcome comes out exactly once: the revisions go
+on from where they were, a silent completion gets its tenant's default reward at its original
+deadline (not the restart's time plus a window), feedback that found no trajectory is
+dead-lettered. A clean `liverl down` and `liverl up`: benchmarks/check_stream_down_up.py.
 
 Read from the topics the learner and the sink read, not from ClickHouse, whose tables keep one
 row per event id and could not show an outcome sent twice."""
