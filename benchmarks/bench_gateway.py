@@ -70,9 +70,7 @@ def bench_settings(data_dir: Path, offset: int) -> Settings:
     """One replica, the learner off, every port moved by `offset` (as the test suite's)."""
     return Settings(
         data_dir=data_dir,
-        ports=PortsConfig(api=28080 + offset, gateway=28000 + offset, sink=28090 + offset,
-                          feedback=28070 + offset, learner=28060 + offset, controller=28050 + offset,
-                          capacity=28040 + offset, rollouts=28030 + offset, replica_base=28100 + offset),
+        ports=PortsConfig().shifted(10_000 + offset),
         broker=EmbeddedBroker(port=29092 + offset),
         serving=ServingConfig(replicas=1),
         learner=LearnerConfig(enabled=False),

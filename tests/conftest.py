@@ -43,10 +43,7 @@ def settings(tmp_path_factory: pytest.TempPathFactory, starter_dir: Path) -> Set
     rewards.write_text("tenants:\n  restart:\n    default_reward: 0.25\n")
     return Settings(
         data_dir=tmp_path_factory.mktemp("liverl"),
-        ports=PortsConfig(api=28080 + offset, gateway=28000 + offset, sink=28090 + offset,
-                          feedback=28070 + offset, learner=28060 + offset, controller=28050 + offset,
-                          capacity=28040 + offset, rollouts=28030 + offset, evaluator=28020 + offset,
-                          supervisor=28010 + offset, replica_base=28100 + offset),
+        ports=PortsConfig().shifted(10_000 + offset),
         broker=EmbeddedBroker(port=29092 + offset),
         starter=StarterPolicyConfig(model_dir=starter_dir),
         # Two replicas: swaps roll out canary first, and one serves while the other swaps;
