@@ -2,8 +2,10 @@
 and the sink have not processed yet (their consumer lag and the age of the oldest event
 waiting), exports it as metrics, writes it for `liverl status` and the dashboard
 (`liverl/backlog.py`), and alerts on-call once when a stage's oldest waiting event passes
-`supervisor.backlog_alert_s` (again only after it has caught up). Runs in the supervisor's
-process, on a thread of its own: a broker that does not answer must not delay a restart.
+`supervisor.backlog_alert_s` (again only after it has caught up). A stage with events waiting
+that commits nothing for `supervisor.backlog_stall_s` is restarted through the supervisor.
+Runs in the supervisor's process, on a thread of its own: a broker that does not answer must
+not delay a restart.
 """
 
 from __future__ import annotations
@@ -29,9 +31,10 @@ ANSWER_S = 20.0  # a broker slower than this to answer is reported as not answer
 
 
 class BacklogWatch:
-    def __init__(self, settings: Settings, alert: Callable[[str, str], None]):
-        self.settings, self.alert = settings, alert
+    def __init__(self, settings: Settings, alert: Callable[[str, str], None], restart: Callable[[str, str], object]):
+        self.settings, self.alert, self.restart = settings, alert, restart
         self.alerted: set[str] = set()  # stages late since the last alert: one alert an episode
+        self.still: dict[str, tuple[int, float]] = {}  # stage -> (its committed offsets, since when unchanged)
 
     def measure(self) -> BacklogReport:
         stages: dict[str, Backlog | None] = {}
@@ -58,7 +61,26 @@ class BacklogWatch:
             self.alert(stage, f"the {stage}'s oldest unprocessed event is {backlog.oldest_s:.0f} s old "
                               f"({backlog.messages} waiting; alert past {report.alert_s:.0f} s)")
         self.alerted = late
+        for stage, backlog in report.stages.items():
+            self.check_moving(stage, backlog, report.at)
         return report
+
+    def check_moving(self, stage: str, backlog: Backlog | None, now: float) -> None:
+        """Restart a stage that has events waiting and has committed nothing for
+        `backlog_stall_s`: a consumer stuck inside a live process whose health page still
+        answers (seen: faust's consumer thread stopped after a burst, for good)."""
+        if backlog is None or not backlog.messages:
+            self.still.pop(stage, None)
+            return
+        committed, since = self.still.get(stage, (backlog.committed, now))
+        if committed != backlog.committed:
+            committed, since = backlog.committed, now
+        self.still[stage] = (committed, since)
+        if now - since >= self.settings.supervisor.backlog_stall_s:
+            component = DRAINED_GROUPS[STAGE_GROUPS[stage]][0]
+            self.restart(component, f"the {stage} committed nothing for {now - since:.0f} s with "
+                                    f"{backlog.messages} events waiting: restarted")
+            del self.still[stage]
 
     def run(self, stop: threading.Event) -> None:
         while not stop.wait(self.settings.supervisor.backlog_every_s):

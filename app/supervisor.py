@@ -59,7 +59,8 @@ class Supervisor:
         self.unhealthy_since: dict[str, float] = {}
         self.next_health_check = 0.0
         self.http = httpx.Client()
-        self.backlog = BacklogWatch(settings, lambda stage, reason: self.alert("backlog_old", stage, reason))
+        self.backlog = BacklogWatch(settings, lambda stage, reason: self.alert("backlog_old", stage, reason),
+                                    lambda name, reason: self.restart_now(name, reason, {}))
 
     def run(self, stop: threading.Event) -> None:
         threading.Thread(target=self.backlog.run, args=(stop,), name="backlog-watch", daemon=True).start()

@@ -24,6 +24,8 @@ class Backlog(BaseModel):
 
     messages: int = Field(description="Messages produced and not yet committed by the group.")
     oldest_s: float | None = Field(None, description="Since the oldest of them was produced; None: none waiting.")
+    committed: int = Field(0, description="The group's committed offsets, summed: unchanged while it waits means "
+                           "it is not moving.")
 
 
 class BacklogReport(BaseModel):

@@ -563,6 +563,9 @@ class SupervisorConfig(Config):
                                    "and the age of the oldest event waiting) is measured for status and alerts.")
     backlog_alert_s: float = Field(300.0, gt=0, description="Alert backlog_old when the oldest event the stream "
                                    "or the sink has not processed was produced longer ago than this.")
+    backlog_stall_s: float = Field(120.0, gt=0, description="Restart the stream or the sink when it has events "
+                                   "waiting and has committed nothing for this long (a consumer stuck in a process "
+                                   "whose health page still answers).")
 
 
 class CapacityConfig(Config):

@@ -272,8 +272,10 @@ def test_on_call_sees_the_backlog_and_is_alerted_once_when_a_stage_falls_behind(
     # A sink that stops taking events (stopped here for a few seconds: a stuck one) is late
     # past the alert's age; on-call hears it once, and again only after it caught up.
     alerts: list[str] = []
+    restarts: list[str] = []  # recorded, not done: the sink is resumed below
     watch = BacklogWatch(settings.model_copy(update={"supervisor": settings.supervisor.model_copy(
-        update={"backlog_alert_s": 1.0})}), lambda stage, reason: alerts.append(stage))
+        update={"backlog_alert_s": 1.0, "backlog_stall_s": 2.0})}), lambda stage, reason: alerts.append(stage),
+        lambda component, reason: restarts.append(component))
     sink = next(c for c in json.loads(liverl(settings, "status", "--json").stdout)["components"]
                 if c["name"] == "sink")
     os.kill(sink["pid"], signal.SIGSTOP)
@@ -284,10 +286,13 @@ def test_on_call_sees_the_backlog_and_is_alerted_once_when_a_stage_falls_behind(
         time.sleep(2.5)
         late = watch.check()
         assert late.stages["sink"].messages >= 5 and late.stages["sink"].oldest_s > 2.0
+        time.sleep(2.5)
         watch.check()
     finally:
         os.kill(sink["pid"], signal.SIGCONT)
     assert alerts.count("sink") == 1  # once, though it was late at both looks
+    # Nothing committed for backlog_stall_s with events waiting: a stuck sink is restarted.
+    assert restarts.count("sink") == 1
     wait_for(lambda: "sink" not in watch.check().late(), timeout=60)
     assert "sink" not in watch.alerted  # a later episode alerts again
 
