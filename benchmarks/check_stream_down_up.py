@@ -61,10 +61,7 @@ SWEEP_S = 1.0
 def check_settings(data_dir: Path, offset: int, window: float) -> Settings:
     return Settings(
         data_dir=data_dir,
-        ports=PortsConfig(api=28080 + offset, gateway=28000 + offset, sink=28090 + offset, feedback=28070 + offset,
-                          learner=28060 + offset, controller=28050 + offset, capacity=28040 + offset,
-                          rollouts=28030 + offset, evaluator=28020 + offset, supervisor=28010 + offset,
-                          replica_base=28100 + offset),
+        ports=PortsConfig().shifted(10_000 + offset),
         broker=EmbeddedBroker(port=29092 + offset),
         serving=ServingConfig(replicas=1),
         feedback=FeedbackConfig(reward_window_s=window, sweep_interval_s=SWEEP_S,
