@@ -84,12 +84,13 @@ def test_retention_moves_the_log_start_past_what_every_group_read_and_keeps_the_
         for future in admin.create_topics([NewTopic("events", 1, 1), NewTopic(
                 "table-changelog", 1, 1, config={"cleanup.policy": "compact"})]).values():
             future.result()
-        produce_one_by_one(settings.bootstrap, "events", [(b"k%d" % i, b"v%d" % i) for i in range(10)])
-        table = [(b"a", b"1"), (b"b", b"1"), (b"a", b"2"), (b"c", b"1"), (b"b", None), (b"a", b"3")]
-        produce_one_by_one(settings.bootstrap, "table-changelog", table)
+        # The group's commit first: retention (every 0.3 s) must never see the batches without it.
         group = Consumer({"bootstrap.servers": settings.bootstrap, "group.id": "slow-reader"})
         group.commit(offsets=[TopicPartition("events", 0, 6)], asynchronous=False)  # it read 0..5
         group.close()
+        produce_one_by_one(settings.bootstrap, "events", [(b"k%d" % i, b"v%d" % i) for i in range(10)])
+        table = [(b"a", b"1"), (b"b", b"1"), (b"a", b"2"), (b"c", b"1"), (b"b", None), (b"a", b"3")]
+        produce_one_by_one(settings.bootstrap, "table-changelog", table)
 
         earliest = Consumer({"bootstrap.servers": settings.bootstrap, "group.id": "watermarks"})
         # Every batch is past retention at once; those the group has not read stay, pass after pass.
