@@ -169,13 +169,14 @@ def test_duplicates_count_once_and_unknown_or_foreign_feedback_never_trains(
     api.post("/v1/ingestion", json={"batch": [item(f"u-{uuid.uuid4().hex}",
                                                    {"kind": "accept", "completion_id": unknown_id})]})
 
+    window = settings.feedback.reward_window_s + 30  # what cannot join is dead-lettered when its window closes
     letters = wait_for(lambda: (rows := sql(settings, "SELECT reason, tenant FROM dead_letters")) and
-                       any("unjoinable" in r["reason"] for r in rows) and rows, timeout=30)
+                       any("unjoinable" in r["reason"] for r in rows) and rows, timeout=window)
     letters = wait_for(lambda: (rows := sql(settings, "SELECT reason, tenant FROM dead_letters "
-                                                      "WHERE tenant = 'mallory'")) and rows, timeout=30)
+                                                      "WHERE tenant = 'mallory'")) and rows, timeout=window)
     assert all("unjoinable" in r["reason"] for r in letters)
     samples = wait_for(lambda: sql(settings, f"SELECT reward, tenant FROM samples FINAL "
-                                             f"WHERE sample_id = 'dev:{completion_id}'"))
+                                             f"WHERE sample_id = 'dev:{completion_id}'"), timeout=window)
     assert samples == [{"reward": 0, "tenant": "dev"}]
     assert sql(settings, f"SELECT count() AS n FROM samples WHERE sample_id = 'dev:{unknown_id}'") == [{"n": 0}]
 

@@ -4,6 +4,7 @@ tenants may use one)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from datetime import UTC, datetime
 
 import pytest
@@ -15,11 +16,12 @@ from liverl.kafka import encode
 
 
 @pytest.fixture(scope="module")
-def sink(tmp_path_factory) -> Sink:
+def sink(tmp_path_factory) -> Iterator[Sink]:
     warehouse = ChdbBackend(tmp_path_factory.mktemp("chdb"))
     for statement in SCHEMA:
         warehouse.command(statement)
-    return Sink(warehouse)
+    yield Sink(warehouse)
+    warehouse.close()  # chdb runs one embedded server a process: a later test opens its own path
 
 
 SERVED = datetime.now(UTC)  # every revision of a sample carries its trajectory, served once
