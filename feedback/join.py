@@ -19,7 +19,9 @@ in its changelog, parsed once when the table is recovered).
 Each step takes the time (`now`, epoch seconds) and returns what to send and count
 (`Emitted`); it notes which states changed (`take_changed`), so the stream writes each
 changed state to its table once per batch. Open windows are indexed by the time they
-close (a heap), so closing them costs per window due, not per window open.
+close (a heap), so closing them costs per window due, not per window open. Windows
+close by the stream's time (`feedback/stream_time.py`), not the clock: feedback read
+ahead of a trajectory still waiting in a backlog is not called unjoinable.
 `feedback/stream.py` only wires it to topics, a table and a timer.
 """
 
@@ -28,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import logging
+import math
 from collections import Counter
 from collections.abc import MutableMapping, Sequence
 from dataclasses import dataclass, field
@@ -286,9 +289,13 @@ class FeedbackJoin:
         heapq.heappush(self.due, (state.due_at(self.window_s), key))
         return out
 
-    def process(self, batch: Sequence[tuple[str, bytes, int]], now: float) -> Emitted:
-        """A batch of (topic, payload, partition) in order, then every window due: the
-        batch's events are seen before a window closing at its time."""
+    def process(self, batch: Sequence[tuple[str, bytes, int]], now: float,
+                read_up_to: float = math.inf) -> Emitted:
+        """A batch of (topic, payload, partition) in order, then every window due by
+        `read_up_to`, the time up to which every event has been read (`StreamTime`; the
+        default: this batch is all there is), and not after `now`: the batch's events are
+        seen before a window closing at its time, and a trajectory still in a backlog
+        before its window is called missing."""
         out = Emitted()
         for topic, raw, partition in batch:
             try:
@@ -296,11 +303,12 @@ class FeedbackJoin:
             except Exception as error:  # one poisoned event (a team's reward hook...) must not stop the join
                 logger.exception("join failed")
                 out.refuse(topic, f"processing failed: {error!r}", raw)
-        out.extend(self.close_due(now))
+        out.extend(self.close_due(min(now, read_up_to)))
         return out
 
     def close_due(self, now: float) -> Emitted:
-        """Every window due now, closed."""
+        """Every window due by `now` (the stream's time, which lags the clock while it reads
+        a backlog), closed."""
         out = Emitted()
         for key in self.windows_due(now):
             out.extend(self.close_window(key, now))

@@ -4,7 +4,8 @@ Trajectories and feedback are both keyed by completion_id on co-partitioned topi
 so one agent sees everything about a completion, and one table (changelogged to
 Kafka, so it survives a restart) holds its state. The join decides; this module reads
 the topics in batches (`take_events`), hands the join each event with the time, and
-sends and counts what it returns.
+sends and counts what it returns. Windows close by how far the worker has read
+(`StreamTime`), not by the clock.
 
 Per batch, each completion whose state changed is written to the table's changelog
 once, on the partition its events came from (the state records it), so the worker
@@ -20,6 +21,7 @@ import asyncio
 import collections
 import gc
 import logging
+import math
 import time
 from typing import Any, cast
 
@@ -29,8 +31,9 @@ from prometheus_client import Counter
 
 from feedback.join import CompletionState, Emitted, FeedbackJoin
 from feedback.rewards import Rewarder
+from feedback.stream_time import StreamTime
 from liverl.contracts import Topics
-from liverl.kafka import encode
+from liverl.kafka import encode, group_positions
 from liverl.observability import setup_logging
 from liverl.settings import get_settings
 
@@ -65,7 +68,8 @@ app = faust.App(
     broker_heartbeat_interval=SESSION_TIMEOUT_S / 5,
 )
 raw: dict[str, Any] = {"key_serializer": "raw", "value_serializer": "raw"}
-incoming = app.topic(Topics.TRAJECTORIES, Topics.FEEDBACK, **raw)
+INCOMING = (Topics.TRAJECTORIES, Topics.FEEDBACK)
+incoming = app.topic(*INCOMING, **raw)
 # Keyed by join_key(tenant, completion_id); partitioned like the incoming topics (the
 # Kafka key stays the completion_id).
 completions = cast(faust.Table, app.Table("completions", default=None))
@@ -173,17 +177,51 @@ def table_key(key: str) -> bytes:
     return completions.changelog_topic.prepare_key(key, completions.key_serializer)[0]
 
 
+stream_time: StreamTime[Any] = StreamTime()
+
+
+def read_partitions() -> list[Any]:
+    return [tp for tp in app.consumer.assignment() if tp.topic in INCOMING]
+
+
+def read_up_to(now: float) -> float:
+    """The stream's time: -inf until the place of every partition this worker reads is known,
+    and while it reads none (between a rebalance's revocation and assignment)."""
+    if not (partitions := read_partitions()):
+        return -math.inf
+    return stream_time.at(now, {tp: app.consumer.highwater(tp) for tp in partitions})
+
+
+@app.on_partitions_revoked.connect  # type: ignore[arg-type]  # mode's hint rejects faust's documented receiver
+async def forget_revoked(_app: Any, revoked: set[Any], **_: Any) -> None:
+    stream_time.forget(revoked)
+
+
 @app.agent(incoming)
 async def join(stream):
     async for events in stream.take_events(settings.feedback.batch_events, within=settings.feedback.batch_s):
         batch = [(e.message.topic, e.value, e.message.partition) for e in events]
-        await send(feedback_join.process(batch, time.time()))
+        for e in events:
+            stream_time.processed(e.message.tp, e.message.offset, e.message.timestamp)
+        now = time.time()
+        await send(feedback_join.process(batch, now, read_up_to(now)))
 
 
 @app.timer(interval=settings.feedback.sweep_interval_s)
 async def close_due_windows() -> None:
-    """Windows fall due while no events arrive too."""
-    await send(feedback_join.close_due(time.time()))
+    """Windows fall due while no events arrive too. A partition newly assigned is read from
+    its committed offset: asked of the broker here, once, so its place is known even if no
+    event ever comes."""
+    if unknown := stream_time.unknown(read_partitions()):
+        try:
+            committed = await group_positions(settings, app.conf.id, INCOMING)
+        except Exception as error:  # the broker away: windows wait for the next tick
+            logger.warning("where the stream's partitions start is not known yet: %r", error)
+            return
+        for tp in unknown:
+            stream_time.starts_at(tp, committed.get(f"{tp.topic}:{tp.partition}", (0, 0))[1])
+    now = time.time()
+    await send(feedback_join.close_due(min(now, read_up_to(now))))
 
 
 if __name__ == "__main__":

@@ -4,9 +4,12 @@ keep their deadlines across a restart, and the bound on feedback waiting for tra
 
 from __future__ import annotations
 
+import math
+
 from test_feedback_join import KEY, T0, WINDOW, feedback, make_join, trajectory
 
 from feedback.join import UNJOINABLE, CompletionState, FeedbackJoin, join_key
+from feedback.stream_time import StreamTime
 from liverl.contracts import Topics
 from liverl.kafka import encode
 
@@ -92,3 +95,44 @@ def test_feedback_waiting_for_trajectories_is_bounded_per_tenant():
     assert join.process([(FEED, feedback("f5", completion_id="z"), 0)], T0 + WINDOW + 3).overflowed == []
     # A restart counts what waits from the recovered states.
     assert FeedbackJoin(join.states, join.rewarder, WINDOW, 4, max_unjoined=2).unjoined == join.unjoined
+
+
+def test_feedback_read_ahead_of_its_trajectory_waits_for_the_stream_not_the_clock():
+    """A worker behind a backlog reads one topic ahead of the other: the clock passes the
+    window of feedback whose trajectory is still in the backlog. By the clock the feedback
+    was dead-lettered as unjoinable and the sample lost (7,323 in a fault-suite run); the
+    window closes when the stream has read past its deadline."""
+    join = make_join()
+    join.process([(FEED, feedback("f1"), 0)], T0, read_up_to=T0 - 600)
+    # The clock is two windows on; the stream has read up to ten minutes ago.
+    out = join.process([], T0 + 2 * WINDOW, read_up_to=T0 - 300)
+    assert (out.samples, out.dead_letters) == ([], [])
+    out = join.process([(TRAJ, trajectory(), 0)], T0 + 3 * WINDOW, read_up_to=T0 - 290)
+    assert [(s.sample_id, s.revision, s.reward_source) for s in out.samples] == [(KEY, 0, "feedback")]
+    assert out.dead_letters == []
+
+
+def test_unjoined_feedback_is_dead_lettered_once_the_stream_has_read_past_its_window():
+    join = make_join()
+    join.process([(FEED, feedback("f1", completion_id="made-up"), 0)], T0)
+    assert join.close_due(-math.inf).dead_letters == []  # the stream's place unknown: nothing closes
+    assert join.process([], T0 + WINDOW + 1, read_up_to=T0 + WINDOW - 1).dead_letters == []
+    out = join.process([], T0 + WINDOW + 5, read_up_to=T0 + WINDOW + 1)
+    assert [d.reason for d in out.dead_letters] == [UNJOINABLE]
+
+
+def test_the_stream_time_is_the_slowest_partition_and_an_idle_one_holds_nothing_back():
+    clock = StreamTime()
+    ends = {"trajectories:0": 100, "feedback:0": 50}
+    assert clock.at(T0, ends) == -math.inf  # where either is read from: not known yet
+    clock.starts_at("trajectories:0", 40)
+    clock.starts_at("feedback:0", 50)  # read to its end already
+    assert clock.at(T0, ends) == -math.inf  # 60 trajectories wait, of an age not known until one is read
+    clock.processed("trajectories:0", 40, T0 - 120)
+    clock.starts_at("trajectories:0", 10)  # a late answer about where it started changes nothing
+    assert clock.at(T0, ends) == T0 - 120
+    clock.processed("trajectories:0", 99, T0 - 3)
+    assert clock.at(T0, ends) == T0  # both read to their ends: the clock's time
+    assert clock.at(T0, {**ends, "feedback:0": None}) == -math.inf  # an end not fetched yet
+    clock.forget(["trajectories:0"])
+    assert clock.unknown(ends) == ["trajectories:0"]
