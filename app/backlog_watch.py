@@ -2,8 +2,9 @@
 and the sink have not processed yet (their consumer lag and the age of the oldest event
 waiting), exports it as metrics, writes it for `liverl status` and the dashboard
 (`liverl/backlog.py`), and alerts on-call once when a stage's oldest waiting event passes
-`supervisor.backlog_alert_s` (again only after it has caught up). A stage with events waiting
-that commits nothing for `supervisor.backlog_stall_s` is restarted through the supervisor.
+`supervisor.backlog_alert_s` (again only after it has caught up). A stage with a partition
+whose events wait and whose committed offset has not moved for `supervisor.backlog_stall_s`
+is restarted through the supervisor.
 Runs in the supervisor's process, on a thread of its own: a broker that does not answer must
 not delay a restart.
 """
@@ -34,7 +35,8 @@ class BacklogWatch:
     def __init__(self, settings: Settings, alert: Callable[[str, str], None], restart: Callable[[str, str], object]):
         self.settings, self.alert, self.restart = settings, alert, restart
         self.alerted: set[str] = set()  # stages late since the last alert: one alert an episode
-        self.still: dict[str, tuple[int, float]] = {}  # stage -> (its committed offsets, since when unchanged)
+        # stage -> partition -> (its committed offset, since when unchanged while events wait there)
+        self.still: dict[str, dict[str, tuple[int, float]]] = {}
 
     def measure(self) -> BacklogReport:
         stages: dict[str, Backlog | None] = {}
@@ -66,20 +68,22 @@ class BacklogWatch:
         return report
 
     def check_moving(self, stage: str, backlog: Backlog | None, now: float) -> None:
-        """Restart a stage that has events waiting and has committed nothing for
-        `backlog_stall_s`: a consumer stuck inside a live process whose health page still
-        answers (seen: faust's consumer thread stopped after a burst, for good)."""
-        if backlog is None or not backlog.messages:
-            self.still.pop(stage, None)
-            return
-        committed, since = self.still.get(stage, (backlog.committed, now))
-        if committed != backlog.committed:
-            committed, since = backlog.committed, now
-        self.still[stage] = (committed, since)
-        if now - since >= self.settings.supervisor.backlog_stall_s:
+        """Restart a stage with a partition whose events wait and whose committed offset has not
+        moved for `backlog_stall_s`: a consumer stuck inside a live process whose health page
+        still answers (seen: faust's consumer thread stopped after a burst, for good; and a
+        restarted stream worker that went on with one of its four partitions, three stuck)."""
+        if backlog is None:
+            return  # not measured: what was seen before stands
+        before = self.still.get(stage, {})
+        self.still[stage] = {key: before[key] if key in before and before[key][0] == committed else (committed, now)
+                             for key, committed in backlog.waiting.items()}
+        stuck = {key: now - since for key, (_, since) in self.still[stage].items()
+                 if now - since >= self.settings.supervisor.backlog_stall_s}
+        if stuck:
             component = DRAINED_GROUPS[STAGE_GROUPS[stage]][0]
-            self.restart(component, f"the {stage} committed nothing for {now - since:.0f} s with "
-                                    f"{backlog.messages} events waiting: restarted")
+            key, seconds = max(stuck.items(), key=lambda item: item[1])
+            self.restart(component, f"the {stage} committed nothing on {key} for {seconds:.0f} s with events "
+                                    f"waiting there ({backlog.messages} waiting in all): restarted")
             del self.still[stage]
 
     def run(self, stop: threading.Event) -> None:

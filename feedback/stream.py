@@ -101,9 +101,17 @@ async def recovered() -> None:
 @app.page("/table")
 async def table_state(web: Any, _request: Any) -> Any:
     """The table as this worker holds it: when it was recovered (None: not yet, its windows not
-    reindexed), how many completions it holds, when the next window falls due."""
+    reindexed), how many completions it holds, when the next window falls due; and how far it
+    has read each partition (the next offset to process, the partition's end, the time of the
+    last event processed), and the stream's time the windows close by (None: not known yet)."""
+    now = time.time()
+    read_up_to_now = read_up_to(now)
     return web.json({"recovered_at": recovery["at"], "completions": len(completions.data),
-                     "next_due": feedback_join.due[0][0] if feedback_join.due else None})
+                     "next_due": feedback_join.due[0][0] if feedback_join.due else None,
+                     "stream_time": read_up_to_now if math.isfinite(read_up_to_now) else None,
+                     "partitions": {f"{tp.topic}:{tp.partition}": {
+                         "next": stream_time.read.get(tp, (None, None))[0], "end": app.consumer.highwater(tp),
+                         "last_event_at": stream_time.read.get(tp, (None, None))[1]} for tp in read_partitions()}})
 
 
 class Outbox:

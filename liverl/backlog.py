@@ -24,8 +24,9 @@ class Backlog(BaseModel):
 
     messages: int = Field(description="Messages produced and not yet committed by the group.")
     oldest_s: float | None = Field(None, description="Since the oldest of them was produced; None: none waiting.")
-    committed: int = Field(0, description="The group's committed offsets, summed: unchanged while it waits means "
-                           "it is not moving.")
+    waiting: dict[str, int] = Field(default_factory=dict, description="Each partition with messages waiting "
+                                    "('topic:partition'), with the offset the group committed there: unchanged "
+                                    "while messages wait means that partition is not moving.")
 
 
 class BacklogReport(BaseModel):

@@ -179,9 +179,8 @@ async def group_backlog(settings: Settings, group: str, topics: tuple[str, ...])
 
     positions = await group_positions(settings, group, topics)
     behind = {key: committed for key, (end, committed) in positions.items() if end > committed}
-    committed = sum(c for _, c in positions.values())
     if not behind:
-        return Backlog(messages=0, committed=committed)
+        return Backlog(messages=0)
     messages = sum(positions[key][0] - committed for key, committed in behind.items())
     consumer = AIOKafkaConsumer(bootstrap_servers=settings.bootstrap, enable_auto_commit=False)  # reads, joins no group
     await consumer.start()
@@ -197,7 +196,7 @@ async def group_backlog(settings: Settings, group: str, topics: tuple[str, ...])
     finally:
         await consumer.stop()
     return Backlog(messages=messages, oldest_s=max(time.time() - min(oldest_ms) / 1000, 0.0) if oldest_ms else None,
-                   committed=committed)
+                   waiting=behind)
 
 
 def check_reachable(settings: Settings) -> None:
