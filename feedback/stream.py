@@ -11,8 +11,9 @@ Per batch, each completion whose state changed is written to the table's changel
 once, on the partition its events came from (the state records it), so the worker
 that owns the partition recovers it. The table's store holds the typed states; on
 recovery each entry is typed once, and the join then rebuilds its index of windows by
-due time, so a restarted worker closes every window at its original deadline. Due
-windows close at the end of each batch, and on a timer while no events arrive.
+due time, so a restarted worker closes every window at its original deadline. The
+timer measures the stream's time and closes the windows due by it; each batch closes
+those due by the last measurement.
 """
 
 from __future__ import annotations
