@@ -752,7 +752,9 @@ def demo_settings(day: bool = False) -> Settings:
         # "The fast harness". A step sized by each version's KL from its parent takes +40 in
         # 9-10 versions instead of 11-12, where a fixed lr that large lets some seeds fall
         # back late ("An adaptive step size").
-        "learner": {"batch_samples": 96, "lr": 6e-4, "target_kl": 0.04, "lr_max": 7e-4, "max_version_lag": 3,
+        # The learner at everyone's priority too (by default it trains in what the data plane
+        # leaves): the demo's load is light, and its learning is what it shows.
+        "learner": {"batch_samples": 96, "lr": 6e-4, "target_kl": 0.04, "lr_max": 7e-4, "max_version_lag": 3, "nice": 0,
                     "objective": "ppo", "baseline_by": "prompt_end", "gate_min_ess": 5.0, "gate_margin": 0.1},
         "feedback": {"reward_window_s": 300.0},
         # A canary serves beside stable on a second replica, half the sessions each; the

@@ -247,7 +247,7 @@ def up(settings: Settings, say: Callable[[str], None] = print, progress: bool = 
             say(f"  {replica.name:<10} {replica.url} serving {version}")
         launcher.python("gateway", settings.ports.gateway)
         if settings.learner.enabled:
-            launcher.python("learner", settings.ports.learner)
+            launcher.python("learner", settings.ports.learner, nice=settings.learner.nice)
         launcher.python("controller", settings.ports.controller)
         if settings.capacity.enabled:
             launcher.python("rollouts", settings.ports.rollouts, nice=settings.rollouts.nice)

@@ -6,9 +6,10 @@ lag and every error, then checking that every acknowledged event is stored once.
 
 It starts its own stack (ports moved by --port-offset, data in --data-dir, the broker in
 --broker mode), learner and one replica on. Capacity is measured first, in the same run:
-ingest as fast as 4 clients can for --probe-s, then wait until the stream and the sink
-have stored it all; capacity = events / (burst + catch-up), what the stack keeps up with
-for good, not what the API accepts in a burst. Then the soak: every 0.1 s a batch at
+the soak's load offered above it (--probe-rate) for --probe-s, and the rate at which the
+stream and the sink commit what ingest wrote over the probe's last two thirds; the slowest
+stage is the capacity, what the stack keeps up with for good, not what the API accepts in a
+burst. Then the soak: every 0.1 s a batch at
 `share x capacity` events/s, completions' trajectories each with its user's feedback
 (joined, rewarded, handed to the learner, which keeps up with a small share of them and
 lags by design), and one completion a second through the gateway. The stream keeps each
@@ -40,11 +41,12 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from bench_ingest import settle, throughput  # noqa: E402
+from bench_ingest import settle  # noqa: E402
 from helpers import item  # noqa: E402
 
-from app.stack import DRAINED_GROUPS, down, drain, status, up  # noqa: E402
-from liverl.kafka import group_lag  # noqa: E402
+from app.stack import DRAINED_GROUPS, down, status, up  # noqa: E402
+from liverl.contracts import Topics  # noqa: E402
+from liverl.kafka import group_lag, group_positions  # noqa: E402
 from liverl.keys import admin_headers  # noqa: E402
 from liverl.manifest import read_manifest  # noqa: E402
 from liverl.pool import read_pool  # noqa: E402
@@ -179,18 +181,54 @@ def restarts(settings: Settings) -> int:
     return sum(int(c.get("restarts") or 0) for c in status(settings)["components"])
 
 
-def capacity(settings: Settings, probe_s: float) -> dict:
-    """Events a second the stack stores for good: a burst, then the catch-up."""
-    key = json.loads(settings.dev_keys_file.read_text())["tenant_key"]
+INGESTED = (Topics.FEEDBACK, Topics.TRAJECTORIES)  # what ingest writes: what capacity is counted in
+
+
+def committed(settings: Settings, group: str) -> int:
+    """Messages of the ingested topics consumer group `group` has committed (processed for good)."""
+    positions = asyncio.run(asyncio.wait_for(group_positions(settings, group, INGESTED), 20))
+    return sum(at for _, at in positions.values())
+
+
+def caught_up(settings: Settings, timeout_s: float = 1800.0) -> float:
+    """Seconds until the stream and the sink have processed everything (the learner lags by
+    design: `liverl down` waits for it, the soak does not)."""
     started = time.perf_counter()
-    burst = asyncio.run(throughput(settings.url(settings.ports.api), key, probe_s, 4, 100))
-    burst_s = time.perf_counter() - started
-    with console.status("the stream and the sink catching up with the burst") as shown:
-        drain(settings, timeout=1800, say=lambda line: shown.update(f"catching up: {line}"))
-    total_s = time.perf_counter() - started
-    events = burst["events_per_s"] * burst_s
-    return {"burst_events": round(events), "burst_s": burst_s, "catch_up_s": total_s - burst_s,
-            "events_per_s": events / total_s}
+    with console.status("the stream and the sink catching up") as shown:
+        while time.perf_counter() - started < timeout_s:
+            behind = {group: lag for group, lag in lags(settings).items() if group in DRAINED_GROUPS}
+            if not any(behind.values()):
+                return time.perf_counter() - started
+            shown.update(f"catching up: {behind}")
+            time.sleep(5)
+    raise TimeoutError(f"the stream and the sink not caught up in {timeout_s:.0f} s")
+
+
+def capacity(settings: Settings, probe_s: float, probe_rate: float) -> dict:
+    """Events a second the stack keeps up with for good: load paced above it for `probe_s`
+    (the learner training and the replica serving, as in the soak), and the rate at which
+    the stream and the sink commit the ingested topics over its last two thirds (the first
+    fills the pipes). The slowest of ingest, stream and sink is the capacity. A short burst
+    and its catch-up overstated it 2.5 times: the learner had not started training yet."""
+    load = Load(settings, probe_rate, f"probe{uuid.uuid4().hex[:6]}")
+    for thread in load.threads:
+        thread.start()
+    with console.status(f"probing capacity: {probe_rate:,.0f} events/s offered for {probe_s:.0f} s"):
+        time.sleep(probe_s / 3)
+        start = time.perf_counter(), load.acknowledged, {g: committed(settings, g) for g in DRAINED_GROUPS}
+        time.sleep(probe_s * 2 / 3)
+        end = time.perf_counter(), load.acknowledged, {g: committed(settings, g) for g in DRAINED_GROUPS}
+    load.stop.set()
+    for thread in load.threads:
+        thread.join(60)
+    span_s = end[0] - start[0]
+    rates = {"ingest": (end[1] - start[1]) / span_s,
+             **{group: (end[2][group] - start[2][group]) / span_s for group in DRAINED_GROUPS}}
+    if min(rates.values()) <= 0:
+        raise RuntimeError(f"a stage processed nothing during the probe: {rates}")
+    caught_up(settings)
+    return {"offered_per_s": probe_rate, "probe_s": probe_s, "rates_per_s": rates, "refused": load.refused,
+            "events_per_s": min(rates.values())}
 
 
 def table(readings: list[dict]) -> Table:
@@ -258,7 +296,8 @@ def summary(cap: dict, rate: float, load: Load, readings: list[dict], found: tup
 
 def main(minutes: float = typer.Option(10.0, help="How long the soak lasts."),
          share: float = typer.Option(0.8, help="The soak's rate as a share of the measured capacity."),
-         probe_s: float = typer.Option(20.0, help="Seconds of the capacity burst."),
+         probe_s: float = typer.Option(120.0, help="Seconds of the capacity probe."),
+         probe_rate: float = typer.Option(4000.0, help="Events a second the probe offers: above the capacity."),
          rate: float | None = typer.Option(None, help="Events a second, instead of measuring the capacity."),
          broker: Literal["disk", "memory"] = typer.Option("disk", help="The embedded broker's storage."),
          window_s: float = typer.Option(60.0, help="feedback.reward_window_s: the stream keeps each completion "
@@ -271,13 +310,12 @@ def main(minutes: float = typer.Option(10.0, help="How long the soak lasts."),
     run = f"soak{uuid.uuid4().hex[:6]}"
     try:
         console.print(f"the stack settled in {settle(settings, 0.25):.0f} s")
-        cap = capacity(settings, probe_s) if rate is None else {"events_per_s": rate / share, "given": True}
+        cap = capacity(settings, probe_s, probe_rate) if rate is None else {"events_per_s": rate / share, "given": True}
         rate = share * cap["events_per_s"]
         console.print(f"capacity {cap['events_per_s']:,.0f} events/s: soaking at {rate:,.0f} for {minutes} min")
         load, readings = soak(settings, rate, minutes, run)
-        started = time.perf_counter()
-        drain(settings, timeout=1800, say=lambda line: None)
-        result = summary(cap, rate, load, readings, stored(settings, run), time.perf_counter() - started)
+        drain_s = caught_up(settings)
+        result = summary(cap, rate, load, readings, stored(settings, run), drain_s)
     finally:
         down(settings, say=console.print, force=True)
     (out / "soak.json").write_text(json.dumps({"summary": result, "readings": readings}, indent=1))

@@ -28,9 +28,9 @@ from typing import Any, cast
 
 import faust
 from confluent_kafka import Producer
-from faust.transport.drivers import aiokafka as faust_kafka
 from prometheus_client import Counter
 
+from feedback.faust_commits import Transport
 from feedback.join import CompletionState, Emitted, FeedbackJoin
 from feedback.rewards import Rewarder
 from feedback.stream_time import StreamTime
@@ -50,30 +50,6 @@ gc.set_threshold(100_000, 50, 100)
 
 settings = get_settings()
 SESSION_TIMEOUT_S = 10.0  # with a heartbeat every 2 s: a worker is dropped after 5 missed in a row
-
-
-class TruthfulCommitConsumer(faust_kafka.Consumer):
-    """faust records offsets as committed even when the commit failed (it swallows aiokafka's
-    "the group has already rebalanced" and returns False) and never sends them again: the
-    broker's offsets stay behind what was processed until the worker restarts, and its backlog
-    never drains as on-call and the supervisor see it. Seen in the fault suite: the broker had
-    a partition at 11,706 for minutes while the worker had processed it to 18,007 (this is the
-    one place in faust 0.15's commit path where its record and the broker's part; a broker
-    that acknowledged a commit and lost it would look the same). Here a failed commit leaves
-    faust's record as it was, so the next commit sends those offsets again."""
-
-    async def _commit_offsets(self, offsets: Any, start_new_transaction: bool = True) -> bool:
-        before = {tp: self._committed_offset[tp] for tp in offsets}
-        if await super()._commit_offsets(offsets, start_new_transaction):
-            return True
-        self._committed_offset.update(before)
-        if assigned := [f"{tp.topic}:{tp.partition}" for tp in offsets if tp in self.assignment()]:
-            logger.warning("offsets on %s not committed: sent again at the next commit", assigned)
-        return False
-
-
-class Transport(faust_kafka.Transport):
-    Consumer = TruthfulCommitConsumer
 
 
 class App(faust.App):
