@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from prometheus_client import Gauge
 
-from app.stack import DRAINED_GROUPS
+from app.stack import DRAINED_GROUPS, processes_of
 from liverl.backlog import STAGE_GROUPS, Backlog, BacklogReport, write_backlog
 from liverl.kafka import group_backlog
 from liverl.observability import log, setup_logging
@@ -81,10 +81,11 @@ class BacklogWatch:
         stuck = {key: now - since for key, (_, since) in self.still[stage].items()
                  if now - since >= self.settings.supervisor.backlog_stall_s}
         if stuck:
-            component = DRAINED_GROUPS[STAGE_GROUPS[stage]][0]
             key, seconds = max(stuck.items(), key=lambda item: item[1])
-            self.restart(component, f"the {stage} committed nothing on {key} for {seconds:.0f} s with events "
-                                    f"waiting there ({backlog.messages} waiting in all): restarted")
+            component = DRAINED_GROUPS[STAGE_GROUPS[stage]][0]
+            for name in processes_of(self.settings, component):  # which worker holds the partition: unknown
+                self.restart(name, f"the {stage} committed nothing on {key} for {seconds:.0f} s with events "
+                                   f"waiting there ({backlog.messages} waiting in all): restarted")
             del self.still[stage]
 
     def run(self, stop: threading.Event) -> None:

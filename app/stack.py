@@ -63,6 +63,20 @@ COMPONENTS = {"sink": "feedback.sink", "feedback": "feedback.stream", "api": "in
               "supervisor": "app.supervisor"}
 
 
+def stream_worker_name(index: int) -> str:
+    return f"feedback-{index}" if index else "feedback"
+
+
+def stream_workers(settings: Settings) -> list[str]:
+    """The feedback stream's workers by component name (one consumer group)."""
+    return [stream_worker_name(index) for index in range(settings.feedback.workers)]
+
+
+def processes_of(settings: Settings, component: str) -> list[str]:
+    """The processes that do `component`'s work by name: the stream's workers, or itself."""
+    return stream_workers(settings) if component == "feedback" else [component]
+
+
 class StackError(RuntimeError):
     """A component could not start or stop; the message names it and the fix."""
 
@@ -111,21 +125,29 @@ class Launcher:
                              f"{lines[-1] if lines else 'no output'}; see {self.log(name)}")
         raise StackError(f"{name} was not healthy after {timeout:.0f} s; see {self.log(name)}")
 
-    def python(self, name: str, port: int, *args: str, background: bool = False, nice: int | None = None) -> None:
-        """A liverl component; `background` ones (the stream) run at `stream_nice`, on
-        `stream_cpus`; others at `nice`, if given."""
+    def python(self, name: str, port: int, *args: str, background: bool = False, nice: int | None = None,
+               module: str | None = None) -> None:
+        """A liverl component (`module`: what runs, if not COMPONENTS[name]); `background` ones
+        (the stream) run at `stream_nice`, on `stream_cpus`; others at `nice`, if given."""
         url = self.settings.url(port)
-        argv = [sys.executable, "-m", COMPONENTS[name], *args]
+        module = module or COMPONENTS[name]
+        argv = [sys.executable, "-m", module, *args]
         if background:
             nice = self.settings.stream_nice
             if self.settings.stream_cpus:
                 argv = ["taskset", "-c", ",".join(map(str, self.settings.stream_cpus)), *argv]
         if nice is not None:
             argv = ["nice", "-n", str(nice), *argv]
-        health = url + ("/" if name == "feedback" else "/health")
+        health = url + ("/" if module == COMPONENTS["feedback"] else "/health")
         process = self.spawn(name, argv, health, url, nice=nice)
         self.wait(name, process, health, self.settings.start_timeout_s)
         self.say(f"  {name:<10} {url}")
+
+    def stream_worker(self, index: int) -> None:
+        """Stream worker `index` (0: "feedback"), on web port feedback + index."""
+        port = self.settings.ports.feedback + index
+        self.python(stream_worker_name(index), port, "worker", "-l", "warn", "--web-port", str(port),
+                    "--web-host", self.settings.host, background=True, module=COMPONENTS["feedback"])
 
     def broker(self) -> None:
         """The embedded broker (and, on disk, the store that keeps its topics)."""
@@ -154,7 +176,8 @@ def start(settings: Settings, component: Component, env: dict[str, str] | None =
 def check_ports(settings: Settings) -> None:
     ports = settings.ports
     wanted = {"ingest API": ports.api, "gateway": ports.gateway, "sink": ports.sink,
-              "feedback": ports.feedback, "controller": ports.controller}
+              "controller": ports.controller}
+    wanted |= {name: ports.feedback + i for i, name in enumerate(stream_workers(settings))}
     if settings.capacity.enabled:
         wanted.update({"capacity scheduler": ports.capacity, "rollout worker": ports.rollouts})
         if settings.rollouts.heldout_every_s is not None:
@@ -234,9 +257,8 @@ def up(settings: Settings, say: Callable[[str], None] = print, progress: bool = 
             launcher.broker()
         asyncio.run(ensure_topics(settings))
         launcher.python("sink", settings.ports.sink, background=True)
-        launcher.python("feedback", settings.ports.feedback, "worker",
-                        "-l", "warn", "--web-port", str(settings.ports.feedback),
-                        "--web-host", settings.host, background=True)
+        for index in range(settings.feedback.workers):
+            launcher.stream_worker(index)
         launcher.python("api", settings.ports.api)
         started = [launch_replica(settings, f"replica-{i}", model_dir, replica_url(settings, i), version)
                    for i in range(settings.serving.replicas)]
@@ -335,7 +357,8 @@ def drain(settings: Settings, timeout: float, say: Callable[[str], None]) -> Non
                 f"{lags['liverl-learner']} learner offsets back: read again, whole, at the next start")
             return
         for group, (component, _) in groups.items():
-            if lags[group] and component in pids and not alive(pids[component]):
+            workers = [name for name in processes_of(settings, component) if name in pids]
+            if lags[group] and workers and not any(alive(pids[name]) for name in workers):
                 raise StackError(f"{component} died with {lags[group]} events unprocessed; "
                                  f"see {settings.run_dir / (component + '.log')} and `liverl up` again")
         if settings.learner.enabled and not lags["liverl-feedback"]:

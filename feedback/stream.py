@@ -94,11 +94,16 @@ recovery: dict[str, float | None] = {"at": None}  # when the table was last reco
 @completions.on_recover
 async def recovered() -> None:
     """Each recovered entry is its state's JSON, which faust's json codec decoded: typed
-    once here, before the streams resume; then the join's indexes are rebuilt from them."""
-    store = completions.data
+    once here, before the streams resume. The states of partitions another worker now owns
+    go (faust's memory store drops only the keys it recovered itself, not those the join
+    wrote): their windows are the new owner's to close. Then the join's indexes are rebuilt."""
+    store, owned = completions.data, {tp.partition for tp in read_partitions()}
     for key, value in list(store.items()):
-        if not isinstance(value, CompletionState):
-            store[key] = CompletionState.model_validate(value)
+        state = value if isinstance(value, CompletionState) else CompletionState.model_validate(value)
+        if state.partition in owned:
+            store[key] = state
+        else:
+            del store[key]
     feedback_join.reindex()
     recovery["at"] = time.time()
     logger.info("table recovered: %d completions, the next window due %s", len(store),
@@ -116,7 +121,29 @@ async def table_state(web: Any, _request: Any) -> Any:
                      "stream_time": measured["at"] if math.isfinite(measured["at"]) else None,
                      "partitions": {f"{tp.topic}:{tp.partition}": {
                          "next": stream_time.read.get(tp, (None, None))[0], "end": measured["ends"].get(tp),
-                         "last_event_at": stream_time.read.get(tp, (None, None))[1]} for tp in read_partitions()}})
+                         "last_event_at": stream_time.read.get(tp, (None, None))[1],
+                         "fetching": fetching(tp), "commits": commits(tp)} for tp in read_partitions()}})
+
+
+def commits(tp: Any) -> dict:
+    """faust's commit records of the partition: the offset it last committed, the offsets acked
+    since (how many, the lowest) and the lowest of those delivered and not acked."""
+    consumer = app.consumer
+    acked = consumer._acked.get(tp) or []
+    unacked = [m.offset for m in consumer._unacked_messages if m.tp == tp]
+    return {"committed": consumer._committed_offset.get(tp), "acked": len(acked),
+            "lowest_acked": min(acked, default=None), "lowest_unacked": min(unacked, default=None)}
+
+
+def fetching(tp: Any) -> str:
+    """Whether faust hands this partition's records to the agent: active, paused (during a
+    recovery), or held while the agent's buffer for it is full."""
+    consumer = app.consumer
+    if tp in consumer._paused_partitions:
+        return "paused"
+    if tp in consumer._buffered_partitions:
+        return "buffer full"
+    return "active" if tp in consumer._get_active_partitions() else "not fetched"
 
 
 class Outbox:
@@ -210,17 +237,45 @@ async def measure_stream_time() -> None:
     measured["at"] = -math.inf
     if not (partitions := read_partitions()):
         return
-    if unknown := stream_time.unknown(partitions):  # newly assigned: read from the committed offsets
+    generation = app.consumer_generation_id
+    ends = await app.consumer.highwaters(*partitions)
+    if unplaced := stream_time.unplaced(ends):  # read from the committed offsets
         committed = await group_positions(settings, app.conf.id, INCOMING)
-        for tp in unknown:
+        for tp in unplaced:
             stream_time.starts_at(tp, committed.get(f"{tp.topic}:{tp.partition}", (0, 0))[1])
-    measured["ends"] = await app.consumer.highwaters(*partitions)
-    measured["at"] = stream_time.at(time.time(), measured["ends"])
+    if app.consumer_generation_id == generation:  # else a rebalance came in between: the next tick
+        measured["ends"], measured["at"] = ends, stream_time.at(time.time(), ends)
+        await unstall(ends)
+
+
+waiting_since: dict[Any, tuple[int, float]] = {}  # partition -> (its next offset, since when it has waited there)
+
+
+async def unstall(ends: dict[Any, int | None]) -> None:
+    """Seek a partition back to its place when it is behind its end and its next event has not
+    come for `feedback.fetch_stall_s` although faust counts it fetched: after some rebalances
+    of two workers, faust handed one partition nothing more (feedback waiting there, the
+    stream's time held back, no window closing) until the worker restarted. A seek re-reads
+    what may be in flight; the join drops what it has seen."""
+    now = time.monotonic()
+    for tp, end in ends.items():
+        next_offset = stream_time.read.get(tp, (None, None))[0]
+        if next_offset is None or end is None or next_offset >= end or fetching(tp) != "active":
+            waiting_since.pop(tp, None)
+        elif waiting_since.get(tp, (None, 0.0))[0] != next_offset:
+            waiting_since[tp] = (next_offset, now)
+        elif now - waiting_since[tp][1] >= settings.feedback.fetch_stall_s:
+            logger.warning("%s:%s behind its end (%s) at %s for %.0f s: sought there again",
+                           tp.topic, tp.partition, end, next_offset, now - waiting_since[tp][1])
+            await app.consumer.seek_wait({tp: next_offset})
+            waiting_since[tp] = (next_offset, now)
 
 
 @app.on_partitions_revoked.connect  # type: ignore[arg-type]  # mode's hint rejects faust's documented receiver
 async def forget_revoked(_app: Any, revoked: set[Any], **_: Any) -> None:
     stream_time.forget(revoked)
+    for tp in revoked:
+        waiting_since.pop(tp, None)
     measured["at"] = -math.inf
 
 

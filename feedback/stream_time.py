@@ -26,9 +26,14 @@ class StreamTime(Generic[Partition]):
         self.read: dict[Partition, tuple[int, float | None]] = {}
 
     def starts_at(self, partition: Partition, offset: int) -> None:
-        """Where a newly assigned partition is read from (its committed offset); a partition
+        """Where a partition is read from (its committed offset), until an event is processed
+        there: a place asked again moves it on (seen with two workers: a place taken while a
+        rebalance gave the partition to the other worker, which then read and committed past it,
+        held the stream's time back for good once the partition came back). A partition
         already processed keeps its place."""
-        self.read.setdefault(partition, (offset, None))
+        next_offset, last = self.read.get(partition, (offset, None))
+        if last is None:
+            self.read[partition] = (max(next_offset, offset), None)
 
     def processed(self, partition: Partition, offset: int, timestamp: float) -> None:
         """The event at `offset` (a partition's events come in order) was processed."""
@@ -39,9 +44,11 @@ class StreamTime(Generic[Partition]):
         for partition in partitions:
             self.read.pop(partition, None)
 
-    def unknown(self, partitions: Iterable[Partition]) -> list[Partition]:
-        """Those whose starting offset is not known yet."""
-        return [p for p in partitions if p not in self.read]
+    def unplaced(self, ends: Mapping[Partition, int | None]) -> list[Partition]:
+        """Partitions whose place to ask for: not known yet, or behind their end with nothing
+        processed since they were placed."""
+        return [p for p, end in ends.items() if p not in self.read
+                or self.read[p][1] is None and (end is None or self.read[p][0] < end)]
 
     def at(self, now: float, ends: Mapping[Partition, int | None]) -> float:
         """The stream's time over the partitions read (`ends`: each one's end offset, None

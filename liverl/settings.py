@@ -291,6 +291,12 @@ class FeedbackConfig(Config):
         3600.0, gt=0, description="How long after a completion feedback still joins it on time."
     )
     sweep_interval_s: float = Field(5.0, gt=0, description="How often due windows are closed while no events arrive.")
+    fetch_stall_s: float = Field(20.0, gt=0, description="A partition behind its end whose next event has not come "
+                                 "for this long is sought to its place again (faust at times stopped handing one "
+                                 "partition over after a rebalance).")
+    workers: int = Field(1, ge=1, le=10, description="Stream workers in one consumer group (web ports feedback, "
+                         "feedback + 1, ...): they share the topics' partitions, and a dead worker's partitions "
+                         "pass, with their table state, to the others. More than the partitions: some idle.")
     batch_events: int = Field(
         2000, ge=1, description="Events the join takes at once (one table write per changed completion per batch).",
     )
@@ -721,6 +727,8 @@ class Settings(BaseSettings):
         ports = self.ports
         claims = {f"LIVERL_PORTS__{name.upper()}": getattr(ports, name)
                   for name in ("api", "gateway", "sink", "feedback", "learner", "controller", "supervisor")}
+        claims |= {f"stream worker {i} (LIVERL_PORTS__FEEDBACK + {i})": ports.feedback + i
+                   for i in range(1, self.feedback.workers)}
         if self.serving.listen == "tcp":
             claims |= {f"replica {i} (LIVERL_PORTS__REPLICA_BASE + {i})": ports.replica_base + i
                        for i in range(self.serving.replicas)}

@@ -14,11 +14,17 @@ from feedback.faust_commits import TruthfulCommitConsumer
 PARTITION = TP("liverl.feedback", 0)
 
 
+GENERATION = 7  # the consumer group's current generation
+
+
 def bookkeeping(committed: int, acked: list[int], gaps: list[tuple[int, int]],
-                in_flight: tuple[int, ...] = ()) -> SimpleNamespace:
+                in_flight: tuple[int, ...] = (), stale: tuple[int, ...] = ()) -> SimpleNamespace:
     """A consumer's commit records for one partition, as faust keeps them (`in_flight`:
-    offsets delivered to the stream and not acked)."""
-    return SimpleNamespace(_unacked_messages=[SimpleNamespace(tp=PARTITION, offset=o) for o in in_flight],
+    offsets delivered to the stream and not acked; `stale`: the same, delivered before the
+    last rebalance, which faust skips)."""
+    unacked = [SimpleNamespace(tp=PARTITION, offset=o, generation_id=GENERATION) for o in in_flight]
+    unacked += [SimpleNamespace(tp=PARTITION, offset=o, generation_id=GENERATION - 1) for o in stale]
+    return SimpleNamespace(app=SimpleNamespace(consumer_generation_id=GENERATION), _unacked_messages=unacked,
                            _acked=defaultdict(list, {PARTITION: list(acked)}),
                            _acked_index=defaultdict(set, {PARTITION: set(acked)}),
                            _gap=defaultdict(IntervalTree, {PARTITION: IntervalTree.from_tuples(gaps)}),
@@ -49,13 +55,17 @@ def test_faust_itself_crawls_one_offset_per_commit_there():
     assert sent[-1] == 201 and len(sent) == 50
 
 
-@pytest.mark.parametrize("acked, gaps, in_flight, expected", [
-    (list(range(10, 20)), [], (), [20]),                 # a plain run
-    ([10, 11, 12, 14, 15], [], (13,), [13]),             # an offset in flight holds the rest back...
-    ([10, 11, 12, 14, 15], [], (), [13, 16]),            # ...one never delivered is a hole in the log
-    ([10, 11, 12, 15, 16], [(13, 15)], (), [17]),        # a gap faust recorded is skipped
-    ([12, 13], [], (), []),                              # two missing at the head: nothing committed
-    ([11, 12, 13], [], (10,), []),                       # the head in flight: nothing committed
+@pytest.mark.parametrize("acked, gaps, in_flight, stale, expected", [
+    (list(range(10, 20)), [], (), (), [20]),              # a plain run
+    ([10, 11, 12, 14, 15], [], (13,), (), [13]),          # an offset in flight holds the rest back...
+    ([10, 11, 12, 14, 15], [], (), (), [13, 16]),         # ...one never delivered is a hole in the log
+    ([10, 11, 12, 15, 16], [(13, 15)], (), (), [17]),     # a gap faust recorded is skipped
+    ([12, 13], [], (), (), []),                           # two missing at the head: nothing committed
+    ([11, 12, 13], [], (10,), (), []),                    # the head in flight: nothing committed
+    ([11, 12, 13], [], (10, 14), (), []),                 # ...and so does one behind the head
+    ([10, 11, 12], [], (), (5, 11), [13]),                # messages of the last generation hold nothing
+    ([10, 11, 12], [], (10,), (), [13]),                  # nor a delivery skipped of an offset done since
 ])
-def test_a_commit_goes_as_far_as_the_offsets_done(acked, gaps, in_flight, expected):
-    assert commits(TruthfulCommitConsumer._new_offset, bookkeeping(10, acked, gaps, in_flight)) == expected
+def test_a_commit_goes_as_far_as_the_offsets_done(acked, gaps, in_flight, stale, expected):
+    records = bookkeeping(10, acked, gaps, in_flight, stale)
+    assert commits(TruthfulCommitConsumer._new_offset, records) == expected

@@ -135,4 +135,13 @@ def test_the_stream_time_is_the_slowest_partition_and_an_idle_one_holds_nothing_
     assert clock.at(T0, ends) == T0  # both read to their ends: the clock's time
     assert clock.at(T0, {**ends, "feedback:0": None}) == -math.inf  # an end not fetched yet
     clock.forget(["trajectories:0"])
-    assert clock.unknown(ends) == ["trajectories:0"]
+    assert clock.unplaced(ends) == ["trajectories:0"]
+
+
+def test_a_place_taken_before_another_worker_read_on_is_moved_on():
+    clock = StreamTime()
+    ends = {"trajectories:0": 19}
+    clock.starts_at("trajectories:0", 10)  # then the other worker read and committed to 19
+    assert (clock.unplaced(ends), clock.at(T0, ends)) == (["trajectories:0"], -math.inf)
+    clock.starts_at("trajectories:0", 19)  # asked again
+    assert (clock.unplaced(ends), clock.at(T0, ends)) == ([], T0)

@@ -15,16 +15,13 @@ import os
 import signal
 import time
 import uuid
-from datetime import UTC, datetime
+from datetime import datetime
 
 import httpx
-from helpers import item, sql, wait_for
-from kafka import KafkaConsumer, TopicPartition
+from helpers import feedback, ingest, outcomes, sql, trajectory, wait_for
 
 from app.stack import component_healthy
 from feedback.join import UNJOINABLE
-from liverl.contracts import Topics
-from liverl.kafka import KAFKA_PYTHON_API_VERSION
 from liverl.keys import KeyStore
 from liverl.manifest import read_manifest
 from liverl.process import alive
@@ -35,61 +32,6 @@ DEFAULT_REWARD = 0.25
 
 def component(settings, name: str):
     return next(c for c in read_manifest(settings).components if c.name == name)
-
-
-def read_all(settings, topic: str) -> list[dict]:
-    """Every message on `topic`, from the beginning until a poll finds nothing more (not up to
-    the high watermark, which Tansu puts at its last batch's base offset + 1)."""
-    consumer = KafkaConsumer(bootstrap_servers=settings.bootstrap, enable_auto_commit=False,
-                             api_version=KAFKA_PYTHON_API_VERSION)
-    try:
-        partitions = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic) or ()]
-        consumer.assign(partitions)
-        consumer.seek_to_beginning(*partitions)
-        values = []
-        while polled := consumer.poll(timeout_ms=1500):
-            values += [json.loads(r.value) for records in polled.values() for r in records]
-        return values
-    finally:
-        consumer.close()
-
-
-def outcomes(settings, run: str) -> tuple[list[dict], list[dict]]:
-    """This run's samples and the dead letters of its feedback, as sent."""
-    samples = [s for s in read_all(settings, Topics.SAMPLES) if run in s["sample_id"]]
-    letters = [d for d in read_all(settings, Topics.DEAD_LETTER) if run in d["payload"]]
-    return samples, letters
-
-
-def ingest(client: httpx.Client, items: list[dict], timeout: float = 60) -> None:
-    """Until the broker has acknowledged every item (it answers 503 while it is down)."""
-    waiting = {i["id"]: i for i in items}
-    deadline = time.time() + timeout
-    while waiting and time.time() < deadline:
-        try:
-            results = client.post("/v1/ingestion", json={"batch": list(waiting.values())}).json()["results"]
-        except httpx.HTTPError:
-            results = []
-        for result in results:
-            if result["status"] == 201:
-                waiting.pop(result["id"])
-            else:
-                assert result["status"] == 503, result
-        if waiting:
-            time.sleep(0.5)
-    assert not waiting, f"not acknowledged within {timeout} s: {list(waiting)}"
-
-
-def trajectory(completion_id: str, served_at: float) -> dict:
-    served = datetime.fromtimestamp(served_at, UTC).isoformat()
-    return dict(item(f"t-{completion_id}", {
-        "completion_id": completion_id, "policy_version": "v0", "prompt_token_ids": [5, 6, 7],
-        "completion_token_ids": [8, 9, 10], "completion_logprobs": [-2.0, -2.1, -1.9]}, type="trajectory"),
-        timestamp=served)
-
-
-def feedback(completion_id: str, kind: str) -> dict:
-    return item(f"f-{uuid.uuid4().hex}", {"kind": kind, "completion_id": completion_id})
 
 
 def recovered_since(settings, since: float) -> float | None:
