@@ -53,8 +53,10 @@ def settings(tmp_path_factory: pytest.TempPathFactory, starter_dir: Path) -> Set
         # A window outlasts a restart of the stream (tests/test_stream_restart.py).
         feedback=FeedbackConfig(reward_window_s=30.0, sweep_interval_s=1.0, max_feedback_per_completion=4,
                                 reward_config=rewards),
+        # The learner at everyone's priority (by default nice 15, behind the data plane): the
+        # tests wait for what it trains.
         learner=LearnerConfig(batch_samples=32, min_samples=1, max_version_lag=3, lr=3e-4,
-                              gate_min_ess=1.0, gate_margin=1.0),
+                              gate_min_ess=1.0, gate_margin=1.0, nice=0),
         # Every candidate is promoted on the offline gate alone, so tests own the pace;
         # the live canary guard has its own test (it restarts the controller with it on).
         promotion=PromotionConfig(auto_promote=True, canary_guard=False),
