@@ -155,7 +155,7 @@ def rss_mib(settings: Settings) -> dict[str, float]:
 
 
 def lags(settings: Settings) -> dict[str, int]:
-    groups = {**{g: topics for g, (_, topics) in DRAINED_GROUPS.items()}, "liverl-learner": ("rewarded-samples",)}
+    groups = {**{g: topics for g, (_, topics) in DRAINED_GROUPS.items()}, "liverl-learner": (Topics.SAMPLES,)}
     found = {}
     for group, topics in groups.items():
         try:
