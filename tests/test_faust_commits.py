@@ -45,7 +45,7 @@ def commits(new_offset, records: SimpleNamespace) -> list[int]:
 AFTER_A_REBALANCE = dict(committed=101, acked=list(range(101, 201)), gaps=[(102, 151)])
 
 
-def test_offsets_both_acked_and_skipped_are_committed_at_once():
+def test_offsets_acked_are_committed_at_once_whatever_gaps_faust_recorded_over_them():
     assert commits(TruthfulCommitConsumer._new_offset, bookkeeping(**AFTER_A_REBALANCE)) == [201]
 
 
