@@ -24,13 +24,14 @@ import gc
 import logging
 import math
 import time
+from collections.abc import Mapping
 from typing import Any, cast
 
 import faust
 from confluent_kafka import Producer
 from prometheus_client import Counter
 
-from feedback.faust_commits import Transport
+from feedback.faust_commits import Transport, TruthfulCommitConsumer
 from feedback.join import CompletionState, Emitted, FeedbackJoin
 from feedback.rewards import Rewarder
 from feedback.stream_time import StreamTime
@@ -128,7 +129,7 @@ async def table_state(web: Any, _request: Any) -> Any:
 def commits(tp: Any) -> dict:
     """faust's commit records of the partition: the offset it last committed, the offsets acked
     since (how many, the lowest) and the lowest of those delivered and not acked."""
-    consumer = app.consumer
+    consumer = cast(TruthfulCommitConsumer, app.consumer)
     acked = consumer._acked.get(tp) or []
     unacked = [m.offset for m in consumer._unacked_messages if m.tp == tp]
     return {"committed": consumer._committed_offset.get(tp), "acked": len(acked),
@@ -138,7 +139,7 @@ def commits(tp: Any) -> dict:
 def fetching(tp: Any) -> str:
     """Whether faust hands this partition's records to the agent: active, paused (during a
     recovery), or held while the agent's buffer for it is full."""
-    consumer = app.consumer
+    consumer = cast(TruthfulCommitConsumer, app.consumer)
     if tp in consumer._paused_partitions:
         return "paused"
     if tp in consumer._buffered_partitions:
@@ -251,7 +252,7 @@ async def measure_stream_time() -> None:
 waiting_since: dict[Any, tuple[int, float]] = {}  # partition -> (its next offset, since when it has waited there)
 
 
-async def unstall(ends: dict[Any, int | None]) -> None:
+async def unstall(ends: Mapping[Any, int | None]) -> None:
     """Seek a partition back to its place when it is behind its end and its next event has not
     come for `feedback.fetch_stall_s` although faust counts it fetched: after some rebalances
     of two workers, faust handed one partition nothing more (feedback waiting there, the
