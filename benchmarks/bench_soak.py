@@ -23,6 +23,7 @@ over time); docs/reliability.md has the runs.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import statistics
 import sys
@@ -154,6 +155,25 @@ def rss_mib(settings: Settings) -> dict[str, float]:
     return {name: sum(map(one, ps)) / 2**20 for name, ps in processes(settings).items()}
 
 
+def cpu_s(settings: Settings) -> dict[str, float]:
+    """CPU seconds each component has used (its live processes), and this benchmark's own
+    (the load generator shares the two cores with the stack)."""
+    def one(p: psutil.Process) -> float:
+        try:
+            times = p.cpu_times()
+            return times.user + times.system
+        except psutil.NoSuchProcess:
+            return 0.0
+    used = {name: sum(map(one, ps)) for name, ps in processes(settings).items()}
+    return {**used, "load generator": one(psutil.Process())}
+
+
+def cores(earlier: dict, later: dict) -> dict[str, float]:
+    """Each component's share of the machine between two readings, in cores."""
+    span = later["t"] - earlier["t"]
+    return {name: max(0.0, used - earlier["cpu_s"].get(name, used)) / span for name, used in later["cpu_s"].items()}
+
+
 def lags(settings: Settings) -> dict[str, int]:
     groups = {**{g: topics for g, (_, topics) in DRAINED_GROUPS.items()}, "liverl-learner": (Topics.SAMPLES,)}
     found = {}
@@ -233,13 +253,15 @@ def capacity(settings: Settings, probe_s: float, probe_rate: float) -> dict:
 
 def table(readings: list[dict]) -> Table:
     shown = Table(title="soak")
-    for column in ("t (s)", "acknowledged", "refused", "lag stream / sink / learner", "RSS MiB (largest 4)"):
+    for column in ("t (s)", "acknowledged", "refused", "lag stream / sink / learner", "RSS MiB (largest 4)",
+                   "cores (busiest 5)"):
         shown.add_column(column)
-    for r in readings[-12:]:
+    for earlier, r in list(zip([None, *readings], readings, strict=False))[-12:]:  # one more earlier
         largest = sorted(r["rss_mib"].items(), key=lambda kv: -kv[1])[:4]
+        busiest = sorted(cores(earlier, r).items(), key=lambda kv: -kv[1])[:5] if earlier else []
         shown.add_row(f"{r['t']:.0f}", f"{r['acknowledged']:,}", str(sum(r["refused"].values())),
                       " / ".join(str(r["lags"][g]) for g in ("liverl-feedback", "liverl-sink", "liverl-learner")),
-                      ", ".join(f"{n} {v:.0f}" for n, v in largest))
+                      ", ".join(f"{n} {v:.0f}" for n, v in largest), ", ".join(f"{n} {v:.2f}" for n, v in busiest))
     return shown
 
 
@@ -248,7 +270,7 @@ def plot(readings: list[dict], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (memory, lag) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
+    fig, (memory, lag, cpu) = plt.subplots(3, 1, figsize=(9, 10), sharex=True)
     t = [r["t"] / 60 for r in readings]
     for name in readings[0]["rss_mib"]:
         memory.plot(t, [r["rss_mib"].get(name, 0) for r in readings], label=name)
@@ -257,8 +279,13 @@ def plot(readings: list[dict], out: Path) -> None:
     for group in readings[0]["lags"]:
         lag.plot(t, [r["lags"][group] for r in readings], label=group)
     lag.set_ylabel("consumer lag (messages)")
-    lag.set_xlabel("minutes into the soak")
     lag.legend(fontsize=7)
+    shares = [cores(earlier, later) for earlier, later in itertools.pairwise(readings)]
+    for name in readings[0]["cpu_s"]:
+        cpu.plot(t[1:], [share.get(name, 0) for share in shares], label=name)
+    cpu.set_ylabel("CPU (cores)")
+    cpu.set_xlabel("minutes into the soak")
+    cpu.legend(fontsize=7, ncol=3)
     fig.tight_layout()
     fig.savefig(out / "soak.png", dpi=110)
 
@@ -274,7 +301,7 @@ def soak(settings: Settings, rate: float, minutes: float, run: str) -> tuple[Loa
             time.sleep(READING_EVERY_S)
             readings.append({"t": time.perf_counter() - started, "acknowledged": load.acknowledged,
                              "refused": dict(load.refused), "lags": lags(settings), "rss_mib": rss_mib(settings),
-                             "restarts": restarts(settings)})
+                             "cpu_s": cpu_s(settings), "restarts": restarts(settings)})
             live.update(table(readings))
     load.stop.set()
     for thread in load.threads:
@@ -291,7 +318,9 @@ def summary(cap: dict, rate: float, load: Load, readings: list[dict], found: tup
             "max_lag": {g: max(r["lags"][g] for r in readings) for g in readings[0]["lags"]},
             "median_lag": {g: statistics.median(r["lags"][g] for r in readings) for g in readings[0]["lags"]},
             "rss_mib_at_1_min": warm["rss_mib"], "rss_mib_at_end": last["rss_mib"], "rss_growth_mib": growth,
-            "restarts": last["restarts"] - readings[0]["restarts"]}
+            "restarts": last["restarts"] - readings[0]["restarts"],
+            "cores_first_half": cores(readings[0], readings[len(readings) // 2]),
+            "cores_second_half": cores(readings[len(readings) // 2], last)}
 
 
 def main(minutes: float = typer.Option(10.0, help="How long the soak lasts."),
