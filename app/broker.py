@@ -66,6 +66,7 @@ def store_command(settings: Settings) -> list[str]:
             *(["--fsync"] if broker.fsync else []),
             *(["--retention-hours", str(broker.retention_hours)] if broker.retention_hours else []),
             *(["--retention-bytes", str(broker.retention_bytes)] if broker.retention_bytes else []),
+            *(["--retention-batches", str(broker.retention_batches)] if broker.retention_batches else []),
             "--retention-check-s", str(broker.retention_check_s), "--min-free-bytes", str(broker.min_free_bytes)]
 
 

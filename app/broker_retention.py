@@ -8,8 +8,10 @@ itself, from Tansu's layout: `clusters/C/topics/T/partitions/P/records/<base off
 group's committed offset in `clusters/C/groups/consumers/G/offsets/T/partitions/P.json`.
 
 - `cleanup.policy=delete` (the default): the oldest batches, older than `retention_s` (or
-  while the partition holds more than `retention_bytes`), from the front only, so the log
-  start moves forward and never leaves a hole.
+  while the partition holds more than `retention_bytes`, or more batches than
+  `retention_batches`), from the front only, so the log start moves forward and never
+  leaves a hole. The count matters most here: Tansu's Fetch lists every batch object of
+  the partition each time (dynostore.rs `fetch`), so a fetch costs in proportion to them.
 - `cleanup.policy=compact` (the stream's changelog, which a table restore reads whole):
   no age limit; a batch goes only once each of its keys has a later record, or its
   record is a tombstone with nothing older of its key left. A restore reads the same table.
@@ -42,6 +44,7 @@ Records = list[tuple[bytes | None, bool]]  # (key, tombstone) of each record in 
 class Policy:
     retention_s: float | None  # batches older than this may go (cleanup.policy delete)
     retention_bytes: int | None  # ... and older ones while a partition holds more than this
+    retention_batches: int | None = None  # ... and while it holds more batches than this (what a fetch lists)
 
 
 @dataclass
@@ -104,10 +107,11 @@ def batch_records(body: bytes) -> Records | None:
 def expired(batches: list[Batch], policy: Policy, now_s: float) -> list[Batch]:
     """cleanup.policy=delete: the oldest batches past retention, from the front."""
     total, gone = sum(b.size for b in batches), []
-    for batch in batches[:-1]:
+    for left, batch in enumerate(batches[:-1]):
         too_old = policy.retention_s is not None and batch.mtime_s < now_s - policy.retention_s
         too_big = policy.retention_bytes is not None and total > policy.retention_bytes
-        if not (too_old or too_big):
+        too_many = policy.retention_batches is not None and len(batches) - left > policy.retention_batches
+        if not (too_old or too_big or too_many):
             break
         gone.append(batch)
         total -= batch.size

@@ -71,12 +71,16 @@ HELD = Gauge("liverl_broker_retention_held_partitions", "Partitions whose old ba
 
 
 class Stored:
-    """What a listing and a conditional write need to know of an object."""
+    """What a listing and a conditional write need to know of an object; its entry in a
+    listing is written once, since Tansu lists a partition's every batch on each fetch."""
 
-    __slots__ = ("size", "mtime_ns")
+    __slots__ = ("size", "mtime_ns", "listed")
 
-    def __init__(self, size: int, mtime_ns: int):
+    def __init__(self, key: str, size: int, mtime_ns: int):
         self.size, self.mtime_ns = size, mtime_ns
+        self.listed = (f"<Contents><Key>{escape(key)}</Key><LastModified>{self.modified}</LastModified>"
+                       f"<ETag>{escape(self.etag)}</ETag><Size>{size}</Size><StorageClass>STANDARD</StorageClass>"
+                       "</Contents>")
 
     @property
     def etag(self) -> str:
@@ -106,7 +110,8 @@ class Store:
                     path.unlink(missing_ok=True)
                     continue
                 stat = path.stat()
-                index[path.relative_to(bucket).as_posix()] = Stored(stat.st_size, stat.st_mtime_ns)
+                key = path.relative_to(bucket).as_posix()
+                index[key] = Stored(key, stat.st_size, stat.st_mtime_ns)
         return index
 
     def path(self, bucket: str, key: str) -> Path:
@@ -130,7 +135,7 @@ class Store:
             Path(tmp).unlink(missing_ok=True)
             raise
         stat = path.stat()
-        stored = self.buckets[bucket][key] = Stored(stat.st_size, stat.st_mtime_ns)
+        stored = self.buckets[bucket][key] = Stored(key, stat.st_size, stat.st_mtime_ns)
         return stored
 
     def delete(self, bucket: str, key: str) -> None:
@@ -379,9 +384,7 @@ def list_objects(store: Store, bucket: str, request: Request) -> Response:
     after = max(q.get("start-after", ""), q.get("continuation-token", ""))
     keys, prefixes, truncated, last = store.listing(bucket, prefix, after, delimiter, int(q.get("max-keys", 1000)))
     index = store.buckets[bucket]
-    contents = "".join(f"<Contents><Key>{escape(k)}</Key><LastModified>{index[k].modified}</LastModified>"
-                       f"<ETag>{escape(index[k].etag)}</ETag><Size>{index[k].size}</Size>"
-                       "<StorageClass>STANDARD</StorageClass></Contents>" for k in keys)
+    contents = "".join(index[k].listed for k in keys)
     common = "".join(f"<CommonPrefixes><Prefix>{escape(p)}</Prefix></CommonPrefixes>" for p in prefixes)
     token = f"<NextContinuationToken>{escape(last)}</NextContinuationToken>" if truncated and last else ""
     body = ('<?xml version="1.0" encoding="UTF-8"?><ListBucketResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/">'
@@ -398,6 +401,8 @@ def main(directory: Path = typer.Option(..., help="Where the objects are kept.")
          fsync: bool = typer.Option(False, help="fsync each object before acknowledging it."),
          retention_hours: float | None = typer.Option(None, help="Delete read batches older than this."),
          retention_bytes: int | None = typer.Option(None, help="Delete read batches while a partition is bigger."),
+         retention_batches: int | None = typer.Option(None, help="Delete read batches while a partition holds "
+                                                      "more than this many."),
          retention_check_s: float = typer.Option(60.0, help="How often retention is applied."),
          min_free_bytes: int = typer.Option(0, help="Refuse new batches below this much free space.")) -> None:
     from liverl.settings import get_settings
@@ -406,7 +411,7 @@ def main(directory: Path = typer.Option(..., help="Where the objects are kept.")
     alerts = get_settings().promotion  # the stack's settings, in this process's environment
     disk = Disk(store.root, min_free_bytes, str(alerts.alert_webhook) if alerts.alert_webhook else None,
                 alerts.alert_timeout_s)
-    policy = Policy(retention_hours * 3600 if retention_hours else None, retention_bytes)
+    policy = Policy(retention_hours * 3600 if retention_hours else None, retention_bytes, retention_batches)
     uvicorn.run(create_app(store, Upkeep(store, disk, policy, retention_check_s)), host=host, port=port,
                 log_level="warning", access_log=False)
 

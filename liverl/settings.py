@@ -76,6 +76,10 @@ class EmbeddedBroker(Config):
     retention_bytes: int | None = Field(
         None, gt=0, description="Per partition: read batches are deleted, oldest first, whatever their age, "
         "while the partition holds more than this (storage disk); None: no size limit.")
+    retention_batches: int | None = Field(
+        2_000, gt=0, description="Per partition: read batches are deleted, oldest first, whatever their age, "
+        "while the partition holds more than this many (storage disk). Tansu 0.6 lists all of a partition's "
+        "batches on each fetch, so a fetch costs in proportion to them; None: no count limit.")
     retention_check_s: float = Field(60.0, gt=0, description="How often the store applies retention.")
     min_free_bytes: int = Field(
         1 << 30, ge=0, description="The store refuses new batches (the producer's ack fails: ingest answers 503) "

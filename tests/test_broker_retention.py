@@ -201,12 +201,16 @@ def test_a_disk_that_fills_before_the_threshold_is_refused_the_same_way(tmp_path
 
 
 def test_retention_rules_size_limit_newest_batch_and_unreadable_batches():
-    """The rules on their own: a size limit takes the oldest first and never the newest
+    """The rules on their own: a size or count limit takes the oldest first and never the newest
     batch; a batch that cannot be read (compressed) keeps the tombstones after it."""
     batches = [Batch(f"b{i}", i, 100, mtime_s=1_000.0) for i in range(5)]
     young = Policy(retention_s=3_600, retention_bytes=250)  # nothing is old yet
     assert [b.key for b in expired(batches, young, now_s=1_010.0)] == ["b0", "b1", "b2"]  # 500 -> 200 bytes
     assert [b.key for b in expired(batches, Policy(1.0, None), now_s=9_999.0)] == ["b0", "b1", "b2", "b3"]
+    # A count limit takes the oldest while more batches are left than it allows (Tansu lists them all per fetch).
+    assert [b.key for b in expired(batches, Policy(3_600, None, retention_batches=2), now_s=1_010.0)] == \
+        ["b0", "b1", "b2"]
+    assert expired(batches, Policy(3_600, None, retention_batches=5), now_s=1_010.0) == []
 
     held: dict[str, list[tuple[bytes | None, bool]] | None] = {
         "b0": [(b"a", False)], "b1": None, "b2": [(b"a", False)], "b3": [(b"a", True)], "b4": [(b"z", False)]}
