@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import shutil
 import statistics
 import sys
 import threading
@@ -332,8 +333,13 @@ def main(minutes: float = typer.Option(10.0, help="How long the soak lasts."),
          window_s: float = typer.Option(60.0, help="feedback.reward_window_s: the stream keeps each completion "
                                         "this long, so its memory is flat only after one window (default 1 h)."),
          data_dir: Path = typer.Option(Path("/tmp/liverl-bench-soak")), port_offset: int = 6000,
+         keep_data: bool = typer.Option(False, help="Start on what data_dir holds; by default it is emptied "
+                                        "first: an earlier run's backlog (the learner's group holds the samples "
+                                        "log) would load this one."),
          out: Path = typer.Option(Path("bench-soak"))) -> None:
     out.mkdir(parents=True, exist_ok=True)
+    if not keep_data:
+        shutil.rmtree(data_dir, ignore_errors=True)
     settings = soak_settings(data_dir, port_offset, broker, window_s)
     up(settings, say=console.print)
     run = f"soak{uuid.uuid4().hex[:6]}"
