@@ -1,7 +1,8 @@
 """The learner: a consumer-group member on rewarded samples that writes policy versions.
 
-Cycle: consume samples (latest revision of each wins; stale, excluded-tenant, already
-trained and malformed samples are counted, never trained) -> when N samples arrived or
+Cycle: consume samples (latest revision of each wins; stale (a version too far behind, or
+waiting too long), excluded-tenant, already trained and malformed samples are counted,
+never trained) -> when N samples arrived or
 T passed, train -> write the candidate version, the trained sample ids and the offsets
 in one registry transaction -> commit the Kafka offsets. The promotion controller
 (`promotion/controller.py`, its own process) takes candidates from the registry, so
@@ -249,7 +250,7 @@ class Learner:
             return self.drop("malformed", sample.sample_id)
         if sample.tenant in self.config.excluded_tenants:
             return self.drop("consent", sample.sample_id)
-        if self.stale(sample.trajectory.policy_version):
+        if self.stale(sample.trajectory.policy_version) or self.waited_too_long(sample):
             return self.drop("stale", sample.sample_id)
         if self.registry.trained([sample.sample_id]):
             return self.drop("already_trained")  # a revision after its sample was learned
@@ -289,6 +290,13 @@ class Learner:
         behaviour = self.registry.seq_of(version)
         return behaviour is None or (version not in self.serving
                                      and self.current.seq - behaviour > self.config.max_version_lag)
+
+    def waited_too_long(self, sample: RewardedSample) -> bool:
+        """The sample waited on the topic (since the stream emitted it) longer than
+        `max_sample_wait_s`: a learner that cannot keep up trains on what is fresh and drops
+        the rest by id, so its place in the log, which retention keeps, stays recent."""
+        limit = self.config.max_sample_wait_s
+        return limit is not None and time.time() - sample.timestamp.timestamp() > limit
 
     def serving_versions(self) -> set[str]:
         """The versions replicas serve now: stable, a canary, and what lent replicas sample

@@ -378,6 +378,10 @@ class LearnerConfig(Config):
     max_interval_s: float = Field(3 * 3600.0, gt=0, description="...or once this long passed with any.")
     min_samples: int = Field(8, ge=1, description="Fewest samples worth a version when time is up.")
     max_version_lag: int = Field(4, ge=0, description="Drop samples more versions behind than this.")
+    max_sample_wait_s: float | None = Field(
+        300.0, gt=0, description="Drop samples that waited on the samples topic longer than this (stale): under "
+        "sustained overload the learner skips to fresh feedback instead of falling ever further behind, whose "
+        "consumer group would hold the samples log (docs/reliability.md, the soak); None: no limit.")
     rollout_share: Fraction | None = Field(None, description="Most share of a version's samples from rollout "
                                            "groups while production samples wait too (whole groups, oldest first; "
                                            "the rest wait); None: every complete group. Alone, rollouts train alone.")

@@ -6,15 +6,20 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 import uuid
+from datetime import UTC, datetime
 
 import httpx
 import torch
 from helpers import item, learner_consuming, learner_health, restart_component, serving_load, wait_for
 from safetensors.torch import load_file, save_file
+from test_distributed_learner import sampled
 from transformers import AutoConfig
 
 from app.demo import Population
+from liverl.contracts import Topics
+from liverl.kafka import encode, produce_sync
 from liverl.keys import admin_headers
 from liverl.pool import read_pool
 from liverl.process import alive
@@ -108,6 +113,31 @@ def test_stale_samples_are_dropped_and_counted(settings, api):
     assert registry.trained(sorted(stale_ids)) == set()
     # Each dropped by id, recorded with the offsets that consumed it.
     wait_for(lambda: registry.dropped(sorted(stale_ids)) == dict.fromkeys(stale_ids, "stale"), timeout=60)
+
+
+def test_samples_that_waited_too_long_are_dropped_by_id_and_fresh_ones_trained(settings, api, starter_dir):
+    """A learner that fell behind skips what waited on the samples topic longer than
+    `learner.max_sample_wait_s` (stale, recorded by id) and trains what is fresh: its place
+    in the log, which retention must keep, stays recent (docs/reliability.md, the soak)."""
+    registry = Registry(settings.policies_dir)
+    version = registry.latest().version
+    assert settings.learner.max_sample_wait_s is not None
+    waited = datetime.fromtimestamp(time.time() - 2 * settings.learner.max_sample_wait_s, UTC)
+    marker = uuid.uuid4().hex[:8]
+    samples = []
+    for i, sample in enumerate(sampled(starter_dir, count=settings.learner.batch_samples + 8)):
+        old = i < 8
+        name = f"acme:{'old' if old else 'new'}-{marker}-{i}"
+        samples.append(sample.model_copy(update={
+            "sample_id": name, "event_id": f"{name}:r0", "timestamp": waited if old else sample.timestamp,
+            "trajectory": sample.trajectory.model_copy(update={"policy_version": version})}))
+    for sample in samples:
+        produce_sync(settings, Topics.SAMPLES, encode(sample))
+    old_ids, new_ids = [s.sample_id for s in samples[:8]], [s.sample_id for s in samples[8:]]
+    wait_for(lambda: registry.dropped(old_ids) == dict.fromkeys(old_ids, "stale"), timeout=180)
+    wait_for(lambda: registry.trained(new_ids), timeout=180)
+    assert registry.trained(old_ids) == set()
+    assert not registry.dropped(new_ids)
 
 
 def test_router_replay_mismatch_is_recorded_per_version(settings, api):
