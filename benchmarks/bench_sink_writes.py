@@ -9,6 +9,7 @@ A write's cost barely depends on its size, so the sink gathers what arrives with
     .venv/bin/python benchmarks/bench_sink_writes.py --stored 1000000 --stored 10000000
 
 With `--stored N`, feedback_events and samples first get N rows each (a month of history,
+or `--spread-s` seconds of it,
 through SQL, so the materialized views see them as they see the sink's writes), then the
 sink stores `--batches` batches of `--batch` fresh feedback events, and as many batches of
 samples of which a tenth are revisions of stored samples (once the fill's merges are done);
@@ -39,13 +40,13 @@ from liverl.settings import Settings
 console = Console(width=160)
 FILL = {
     "feedback_events": """INSERT INTO feedback_events SELECT concat('fill-', toString(number)), 'acme',
-        now64(3) - toIntervalSecond(number % 2592000), now64(3), concat('c-fill-', toString(number)), 'accept', 1.0,
+        now64(3) - toIntervalSecond(number % {spread}), now64(3), concat('c-fill-', toString(number)), 'accept', 1.0,
         '{{"kind":"accept"}}' FROM numbers({n})""",
     "samples": """INSERT INTO samples (event_id, sample_id, revision, tenant, timestamp, served_at, policy_version,
         reward, reward_source, reward_fn_version, accepted, completion_tokens, reward_delta, accepted_delta,
         judged_delta, count_delta, source)
         SELECT concat('acme:fill-', toString(number), ':r0'), concat('acme:fill-', toString(number)), 0, 'acme',
-        now64(3) - toIntervalSecond(number % 2592000), now64(3) - toIntervalSecond(number % 2592000), 'v1', 1.0,
+        now64(3) - toIntervalSecond(number % {spread}), now64(3) - toIntervalSecond(number % {spread}), 'v1', 1.0,
         'feedback', 't', 1, 24, 1.0, 1, 1, 1, 'gateway' FROM numbers({n})""",
 }
 
@@ -63,14 +64,14 @@ def feedback_events(n: int) -> list[bytes]:
             for _ in range(n)]
 
 
-def samples(n: int, stored: int) -> list[bytes]:
+def samples(n: int, stored: int, spread_s: int) -> list[bytes]:
     """Fresh samples, a tenth of them revision 1 of a stored one (served when it was)."""
     out = []
     for i in range(n):
         revised = i % 10 == 0
         number = random.randrange(stored)
         cid = f"fill-{number}" if revised else uuid.uuid4().hex
-        served = datetime.fromtimestamp(time.time() - number % 2592000, UTC) if revised else datetime.now(UTC)
+        served = datetime.fromtimestamp(time.time() - number % spread_s, UTC) if revised else datetime.now(UTC)
         trajectory = Trajectory(event_id=cid, tenant="acme", completion_id=cid, policy_version="v1",
                                 timestamp=served, completion_token_ids=[1] * 24, completion_logprobs=[-1.0] * 24)
         revision = 1 if revised else 0
@@ -87,7 +88,7 @@ def settle(sink: Sink, timeout_s: float = 600) -> None:
         time.sleep(1)
 
 
-def by_table_size(sizes: list[int], batch: int, batches: int) -> None:
+def by_table_size(sizes: list[int], batch: int, batches: int, spread_s: int) -> None:
     table = Table(title=f"sink batches of {batch} against the rows already stored (median of {batches} batches "
                         "each; range in brackets)")
     for column in ("rows stored", "fill", "feedback batch wall", "feedback batch CPU", "samples batch wall",
@@ -98,12 +99,12 @@ def by_table_size(sizes: list[int], batch: int, batches: int) -> None:
             sink = Sink(open_warehouse(Settings(data_dir=Path(data_dir))))
             started = time.time()
             for sql in FILL.values():
-                sink.warehouse.command(sql.format(n=size))
+                sink.warehouse.command(sql.format(n=size, spread=spread_s))
             fill = time.time() - started
             settle(sink)
             cells = []
             for topic, make in ((Topics.FEEDBACK, lambda: feedback_events(batch)),
-                                (Topics.SAMPLES, lambda: samples(batch, size))):  # noqa: B023 (called in this iteration)
+                                (Topics.SAMPLES, lambda: samples(batch, size, spread_s))):  # noqa: B023 (called in this iteration)
                 walls, cpus = [], []
                 for _ in range(batches):
                     messages = make()
@@ -121,9 +122,12 @@ def main(messages: int = typer.Option(512, help="Messages stored for each write 
          stored_before: int = typer.Option(4000, help="Rows in the table before timing (duplicate checks read it)."),
          stored: list[int] = typer.Option([], help="Instead: rows stored before, one run per value."),
          batch: int = typer.Option(2000, help="With --stored: messages per batch."),
-         batches: int = typer.Option(10, help="With --stored: batches timed per table.")) -> None:
+         batches: int = typer.Option(10, help="With --stored: batches timed per table."),
+         spread_s: int = typer.Option(2_592_000, help="With --stored: the stored rows' times spread over this "
+                                      "many seconds before now (a month; 1: all in one second, as the soak's load "
+                                      "stamps them).")) -> None:
     if stored:
-        return by_table_size(stored, batch, batches)
+        return by_table_size(stored, batch, batches, spread_s)
     table = Table(title=f"sink writes on embedded ClickHouse: {messages} messages per size, "
                         f"{stored_before} rows stored before")
     for column in ("messages per write", "writes", "CPU per write", "CPU per message", "wall"):

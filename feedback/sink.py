@@ -5,8 +5,8 @@ analysts' read-only SQL (`liverl sql`, `liverl metrics`) over HTTP.
 
 Offsets are committed after the rows are stored: a crash redelivers, and rows whose
 event id is already stored are skipped, so nothing is lost or counted twice. Both checks
-a batch makes (ids stored, earlier revisions of its samples) are one query each, on a
-sorting key, so a batch costs the same however much is stored.
+a batch makes (ids stored, latest revisions of its samples) are one query each of point
+lookups in key-value tables, so a batch costs about the same however much is stored.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import asyncio
 import hashlib
 import json
 import time
-from collections.abc import Iterable
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from typing import Any, Literal
@@ -27,7 +26,7 @@ from prometheus_client import Counter, Gauge
 from pydantic import AwareDatetime, BaseModel, Field, ValidationError
 
 from feedback.analyst_sql import RefusedQuery, prepare
-from feedback.warehouse import FORMATS, INDEXED_TIME, Warehouse, open_warehouse, query_json
+from feedback.warehouse import FORMATS, KEYED, Warehouse, open_warehouse, query_json
 from liverl.contracts import (
     CapacityEvent,
     DeadLetter,
@@ -108,11 +107,6 @@ def dead_letter_row(d: DeadLetter) -> dict:
                 reason=d.reason, tenant=d.tenant, payload=d.payload)
 
 
-def minutes(timestamps: Iterable[str]) -> str:
-    """The minutes of these row timestamps ('YYYY-MM-DD HH:MM:SS.mmm'), as SQL DateTime literals."""
-    return ",".join(f"toDateTime({quote(minute + ':00')}, 'UTC')" for minute in {t[:16] for t in timestamps})
-
-
 def sample_row(s: RewardedSample) -> dict:
     """A sample's row, counted as a new sample; Sink.correct_revisions makes a revision a correction."""
     return dict(event_id=s.event_id, sample_id=s.sample_id, revision=s.revision, tenant=s.tenant,
@@ -141,47 +135,41 @@ class Sink:
     def _stored_keys(self, table: str, rows: dict[tuple[str | None, str], dict]) -> set[tuple[str | None, str]]:
         """Which (tenant, event_id) pairs are stored: an event id is the tenant's own name,
         so another tenant's event with the same id is not a duplicate. A big table's ids are
-        looked up in stored_ids by the minutes their rows name (its sorting key): the cost is
-        the batch's, not the table's. The small ones are read by event id. A query names at
-        most LOOKUP_KEYS ids: ClickHouse refuses a query text past 256 KiB (max_query_size),
-        which a backlog's batch of long ids passed (the broker-kill test found it)."""
+        point lookups in event_keys (the cost is the batch's, not the table's); the small
+        ones are read by event id. A query names at most LOOKUP_KEYS ids: ClickHouse refuses
+        a query text past 256 KiB (max_query_size), which a backlog's batch of long ids
+        passed (the broker-kill test found it)."""
         items = list(rows.items())
         if len(items) > LOOKUP_KEYS:
             return set().union(*(self._stored_keys(table, dict(items[i:i + LOOKUP_KEYS]))
                                  for i in range(0, len(items), LOOKUP_KEYS)))
-        if table in INDEXED_TIME:
-            keys = ",".join(f"({quote(str(tenant))}, {quote(event_id)})" for tenant, event_id in rows)
-            sql = (f"SELECT tenant, event_id FROM stored_ids WHERE tbl = {quote(table)} AND minute IN "
-                   f"({minutes(row[INDEXED_TIME[table]] for row in rows.values())}) AND (tenant, event_id) IN ({keys})")
-        else:
-            tenant = "NULL" if table in UNTENANTED else "tenant"
-            quoted = ",".join(quote(event_id) for _, event_id in rows)
-            sql = f"SELECT {tenant} AS tenant, event_id FROM {table} WHERE event_id IN ({quoted})"
+        if table in KEYED:
+            keys = {f"{table}:{tenant}:{event_id}": (tenant, event_id) for tenant, event_id in rows}
+            sql = f"SELECT key FROM event_keys WHERE key IN ({','.join(map(quote, keys))})"
+            return {keys[r["key"]] for r in query_json(self.warehouse, sql)}
+        tenant = "NULL" if table in UNTENANTED else "tenant"
+        quoted = ",".join(quote(event_id) for _, event_id in rows)
+        sql = f"SELECT {tenant} AS tenant, event_id FROM {table} WHERE event_id IN ({quoted})"
         return {(r["tenant"], r["event_id"]) for r in query_json(self.warehouse, sql)}
 
-    def _stored_revisions(self, rows: list[dict]) -> dict[str, list[dict]]:
-        """Every stored revision of these samples, by sample id: one query for the batch (per
-        LOOKUP_KEYS samples), in sample_revisions by the minutes they were served."""
+    def _latest_revisions(self, rows: list[dict]) -> dict[str, dict]:
+        """The latest stored revision of these samples, by sample id: point lookups in
+        sample_latest, one query for the batch (per LOOKUP_KEYS samples)."""
         if len(rows) > LOOKUP_KEYS:
-            found: dict[str, list[dict]] = {}
+            found: dict[str, dict] = {}
             for i in range(0, len(rows), LOOKUP_KEYS):
-                for sample_id, revisions in self._stored_revisions(rows[i:i + LOOKUP_KEYS]).items():
-                    found.setdefault(sample_id, []).extend(revisions)
+                found.update(self._latest_revisions(rows[i:i + LOOKUP_KEYS]))
             return found
-        samples = ",".join({f"({quote(r['tenant'])}, {quote(r['sample_id'])})" for r in rows})
-        found = {}
-        for row in query_json(self.warehouse, "SELECT sample_id, revision, reward, accepted FROM sample_revisions "
-                                              f"WHERE minute IN ({minutes(r['served_at'] for r in rows)}) "
-                                              f"AND (tenant, sample_id) IN ({samples})"):
-            found.setdefault(row["sample_id"], []).append(row)
-        return found
+        keys = {f"{r['tenant']}:{r['sample_id']}": r["sample_id"] for r in rows}
+        sql = f"SELECT key, revision, reward, accepted FROM sample_latest WHERE key IN ({','.join(map(quote, keys))})"
+        return {keys[row["key"]]: row for row in query_json(self.warehouse, sql)}
 
-    def correct_revisions(self, rows: list[dict], stored: dict[str, list[dict]]) -> None:
+    def correct_revisions(self, rows: list[dict], stored: dict[str, dict]) -> None:
         """A revision is a correction: the rollup gets the difference from the latest earlier
-        revision (in this batch, before it, or stored), not a second sample."""
+        revision (in this batch, or stored), not a second sample."""
         latest: dict[str, dict] = {}  # this batch's newest revision of each sample so far
         for row in rows:
-            earlier = [r for r in [latest.get(row["sample_id"]), *stored.get(row["sample_id"], [])]
+            earlier = [r for r in (latest.get(row["sample_id"]), stored.get(row["sample_id"]))
                        if r is not None and r["revision"] < row["revision"]]
             if earlier:
                 prev = max(earlier, key=lambda r: r["revision"])
@@ -197,11 +185,11 @@ class Sink:
         if table != "samples":
             stored = self._stored_keys(table, rows)
             return [r for key, r in rows.items() if key not in stored]
-        revisions = self._stored_revisions(list(rows.values()))
+        latest = self._latest_revisions(list(rows.values()))
         # Against every revision in the batch: a stored one in it is still the one before.
-        self.correct_revisions(list(rows.values()), revisions)
-        stored_ids = {f"{sample_id}:r{r['revision']}" for sample_id, found in revisions.items() for r in found}
-        return [r for r in rows.values() if r["event_id"] not in stored_ids]
+        self.correct_revisions(list(rows.values()), latest)
+        return [r for r in rows.values()
+                if r["sample_id"] not in latest or r["revision"] > latest[r["sample_id"]]["revision"]]
 
     def to_row(self, topic: str, raw: bytes) -> dict:
         if topic == Topics.FEEDBACK:

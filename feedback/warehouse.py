@@ -3,9 +3,8 @@
 One schema serves both. Every table is a ReplacingMergeTree keyed by its event id, so
 a redelivered event is harmless; the sink also skips ids already stored so that the
 hourly rollup (fed by a materialized view at insert time) counts each event once. The
-big tables' ids are indexed by the minute of a time their events carry (stored_ids,
-sample_revisions; filled by materialized views), so that check costs per batch, not per
-row stored.
+big tables' ids are kept in key-value tables (event_keys, sample_latest; filled by
+materialized views), so that check costs per id looked up, not per row stored.
 """
 
 from __future__ import annotations
@@ -90,34 +89,38 @@ SCHEMA = [
     FROM samples GROUP BY tenant, policy_version, hour, source""",
 ]
 
-# The sink's duplicate checks are point lookups by the minute of a time each event carries
-# (stable across redeliveries), so they read the granules of the minutes a batch names,
-# however many rows are stored; small granules, as a lookup wants. Filled by materialized
-# views, so they see every insert. A sample's time is when it was served: every revision
-# and every re-emission of it carries the same one, and its lookup row carries what a
-# correction needs (reward, accepted).
-INDEXED_TIME = {"feedback_events": "timestamp", "trajectories": "timestamp", "requests": "timestamp"}
+# The sink's duplicate checks are point lookups in key-value tables (ClickHouse's
+# EmbeddedRocksDB, filled by materialized views, so they see every insert): a RocksDB get
+# per id, whatever the tables hold and whatever times the events carry. (An index by the
+# minute of each event's time read every row of a crowded minute: the soak's load, which
+# stamps one time on every event, made each lookup read the whole table.)
+# event_keys: '<table>:<tenant>:<event_id>' of every row of the big tables (a tenant's
+# name holds no ':'). sample_latest: each sample's latest revision and what a correction
+# needs (reward, accepted); a sample's revisions reach the sink in order (one partition,
+# one emitter), so a revision at or below the latest stored one is stored.
+KEYED = ("feedback_events", "trajectories", "requests")
+# argMax of a tuple: argMax of a Nullable column alone skips a NULL accepted.
+SAMPLE_LATEST = """SELECT key, newest AS revision, latest.1 AS reward, latest.2 AS accepted
+    FROM (SELECT concat(tenant, ':', sample_id) AS key, max(revision) AS newest,
+                 argMax(tuple(reward, accepted), revision) AS latest FROM samples GROUP BY tenant, sample_id)"""
 SCHEMA += [
-    """CREATE TABLE IF NOT EXISTS stored_ids (
-        tbl LowCardinality(String), minute DateTime('UTC'), tenant String, event_id String
-    ) ENGINE = ReplacingMergeTree PARTITION BY toYYYYMM(minute) ORDER BY (tbl, minute, tenant, event_id)
-    SETTINGS index_granularity = 1024""",
-    *(f"""CREATE MATERIALIZED VIEW IF NOT EXISTS {table}_ids TO stored_ids AS
-    SELECT '{table}' AS tbl, toStartOfMinute({column}) AS minute, tenant, event_id FROM {table}"""
-      for table, column in INDEXED_TIME.items()),
-    """CREATE TABLE IF NOT EXISTS sample_revisions (
-        minute DateTime('UTC'), tenant String, sample_id String, revision UInt32, reward Float64,
-        accepted Nullable(UInt8)
-    ) ENGINE = ReplacingMergeTree PARTITION BY toYYYYMM(minute) ORDER BY (minute, tenant, sample_id, revision)
-    SETTINGS index_granularity = 1024""",
+    # The index by minute these replace (Nov 27-28): its views would go on costing every insert.
+    *(f"DROP VIEW IF EXISTS {table}_ids" for table in KEYED),
+    "DROP VIEW IF EXISTS samples_revisions",
+    "DROP TABLE IF EXISTS stored_ids",
+    "DROP TABLE IF EXISTS sample_revisions",
+    "CREATE TABLE IF NOT EXISTS event_keys (key String) ENGINE = EmbeddedRocksDB PRIMARY KEY key",
+    *(f"""CREATE MATERIALIZED VIEW IF NOT EXISTS {table}_keys TO event_keys AS
+    SELECT concat('{table}:', tenant, ':', event_id) AS key FROM {table}""" for table in KEYED),
+    """CREATE TABLE IF NOT EXISTS sample_latest (
+        key String, revision UInt32, reward Float64, accepted Nullable(UInt8)
+    ) ENGINE = EmbeddedRocksDB PRIMARY KEY key""",
+    "CREATE MATERIALIZED VIEW IF NOT EXISTS samples_latest TO sample_latest AS " + SAMPLE_LATEST,
 ]
-SAMPLE_REVISIONS = """SELECT toStartOfMinute(served_at) AS minute, tenant, sample_id, revision, reward, accepted
-    FROM samples"""
-SCHEMA.append(f"CREATE MATERIALIZED VIEW IF NOT EXISTS samples_revisions TO sample_revisions AS {SAMPLE_REVISIONS}")
-# A store made before the lookups has its rows indexed once, when they are created.
-BACKFILL = [*(f"INSERT INTO stored_ids SELECT '{table}', toStartOfMinute({column}), tenant, event_id FROM {table}"
-              for table, column in INDEXED_TIME.items()),
-            f"INSERT INTO sample_revisions {SAMPLE_REVISIONS}"]
+# A store made before the key tables has its rows keyed once, when they are created.
+BACKFILL = [*(f"INSERT INTO event_keys SELECT concat('{table}:', tenant, ':', event_id) FROM {table}"
+              for table in KEYED),
+            f"INSERT INTO sample_latest {SAMPLE_LATEST}"]
 
 ROLLUP_SQL = """SELECT policy_version, hour, if(source = '', 'gateway', source) AS source, sum(samples) AS n,
     round(sum(reward_sum) / n, 4) AS mean_reward,
@@ -205,12 +208,17 @@ def open_warehouse(settings: Settings) -> Warehouse:
         backend = ChdbBackend(settings.data_dir / config.subdir)
     else:
         backend = ServerBackend(config)
-    indexed = query_json(backend, "EXISTS TABLE stored_ids")[0]["result"]
-    for statement in SCHEMA:
-        backend.command(statement)
-    for statement in [] if indexed else BACKFILL:
-        backend.command(statement)
+    migrate(backend)
     return backend
+
+
+def migrate(warehouse: Warehouse) -> None:
+    """Bring a store of any earlier schema to this one, keeping its rows."""
+    keyed = query_json(warehouse, "EXISTS TABLE event_keys")[0]["result"]
+    for statement in SCHEMA:
+        warehouse.command(statement)
+    for statement in [] if keyed else BACKFILL:
+        warehouse.command(statement)
 
 
 def query_json(warehouse: Warehouse, sql: str) -> list[dict]:

@@ -9,8 +9,8 @@ from datetime import UTC, datetime
 
 import pytest
 
-from feedback.sink import Sink
-from feedback.warehouse import ROLLUP_SQL, SCHEMA, ChdbBackend, query_json
+from feedback.sink import Sink, feedback_row, sample_row
+from feedback.warehouse import ROLLUP_SQL, SCHEMA, ChdbBackend, migrate, query_json
 from liverl.contracts import FeedbackEvent, RewardedSample, Topics, Trajectory
 from liverl.kafka import encode
 
@@ -65,7 +65,7 @@ def test_one_event_id_two_tenants_two_rows(sink):
 
 def test_an_event_replayed_long_after_it_was_stored_is_stored_once(sink):
     """No memory of recent ids decides it: a replay a year later, after other events in
-    other minutes, is found by the minute its own timestamp names."""
+    other minutes, is found by its key in the warehouse's key-value table."""
     def event(event_id: str, at: str) -> bytes:
         return encode(FeedbackEvent(event_id=event_id, tenant="acme", timestamp=at,
                                     body={"kind": "accept", "completion_id": "old"}))
@@ -147,6 +147,57 @@ OLD_ROLLUP = [  # the rollup's schema before it had a source (Nov 24)
            toInt64(sum(count_delta)) AS samples, sum(reward_delta) AS reward_sum,
            toInt64(sum(accepted_delta)) AS accepted, toInt64(sum(judged_delta)) AS judged
     FROM samples GROUP BY tenant, policy_version, hour""",
+]
+
+
+def test_a_store_indexed_by_minute_gets_its_keys_and_still_finds_what_it_holds(sink):
+    """A store made with the index by minute (Nov 27-28) is migrated in place: its rows are
+    keyed once, the old index and its views are gone (they cost every insert), and what it
+    holds is still found: a redelivered event is not stored again, a redelivered sample
+    revision is not counted again, a new revision corrects the stored one."""
+    warehouse = sink.warehouse  # chdb opens one path per process: another database in it
+    warehouse.command("CREATE DATABASE IF NOT EXISTS before_keys")
+    warehouse.command("USE before_keys")
+    try:
+        for statement in [s for s in SCHEMA if "EmbeddedRocksDB" not in s and "_keys" not in s
+                          and "samples_latest" not in s] + OLD_INDEX:
+            warehouse.command(statement)
+        old = Sink(warehouse)
+        old.warehouse.insert("feedback_events", [feedback_row(FeedbackEvent(
+            event_id="evt-old", tenant="acme", timestamp="2026-11-22T12:00:00Z",
+            body={"kind": "accept", "completion_id": "c"}))])
+        stored = RewardedSample.model_validate_json(sample("c-old", 0, 0.0, False))
+        old.warehouse.insert("samples", [sample_row(stored)])
+        assert query_json(warehouse, "SELECT count() AS n FROM stored_ids") == [{"n": 1}]
+        migrate(warehouse)
+        tables = {r["name"] for r in query_json(warehouse, "SELECT name FROM system.tables "
+                                                           "WHERE database = 'before_keys'")}
+        old.store(Topics.FEEDBACK, [encode(FeedbackEvent(event_id="evt-old", tenant="acme",
+                                                         timestamp="2026-11-22T12:00:00Z",
+                                                         body={"kind": "accept", "completion_id": "c"}))])
+        old.store(Topics.SAMPLES, [sample("c-old", 0, 0.0, False), sample("c-old", 1, 1.0, True)])
+        feedback = query_json(warehouse, "SELECT count() AS n FROM feedback_events")
+        rolled = query_json(warehouse, "SELECT sum(samples) AS n, sum(reward_sum) AS reward FROM version_hourly")
+    finally:
+        warehouse.command("USE liverl")
+    assert {"stored_ids", "sample_revisions", "feedback_events_ids", "samples_revisions"}.isdisjoint(tables)
+    assert feedback == [{"n": 1}]
+    assert rolled == [{"n": 1, "reward": 1}]
+
+
+OLD_INDEX = [  # the duplicate checks' index by minute (Nov 27-28)
+    """CREATE TABLE IF NOT EXISTS stored_ids (
+        tbl LowCardinality(String), minute DateTime('UTC'), tenant String, event_id String
+    ) ENGINE = ReplacingMergeTree PARTITION BY toYYYYMM(minute) ORDER BY (tbl, minute, tenant, event_id)""",
+    *(f"""CREATE MATERIALIZED VIEW IF NOT EXISTS {table}_ids TO stored_ids AS
+    SELECT '{table}' AS tbl, toStartOfMinute(timestamp) AS minute, tenant, event_id FROM {table}"""
+      for table in ("feedback_events", "trajectories", "requests")),
+    """CREATE TABLE IF NOT EXISTS sample_revisions (
+        minute DateTime('UTC'), tenant String, sample_id String, revision UInt32, reward Float64,
+        accepted Nullable(UInt8)
+    ) ENGINE = ReplacingMergeTree PARTITION BY toYYYYMM(minute) ORDER BY (minute, tenant, sample_id, revision)""",
+    """CREATE MATERIALIZED VIEW IF NOT EXISTS samples_revisions TO sample_revisions AS
+    SELECT toStartOfMinute(served_at) AS minute, tenant, sample_id, revision, reward, accepted FROM samples""",
 ]
 
 
