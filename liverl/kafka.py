@@ -210,7 +210,9 @@ def check_reachable(settings: Settings) -> None:
 
 
 def read_topic(settings: Settings, topic: str, timeout_s: float = 10.0) -> list[bytes]:
-    """Every message on a topic, from the beginning to its current end (no group)."""
+    """Every message on a topic, from the beginning to its current end (no group): past the
+    end offsets the broker answers, until a poll finds nothing more, since Tansu's in-memory
+    engine answers a partition's last batch's base offset + 1 as its end."""
     from kafka import KafkaConsumer, TopicPartition
 
     check_reachable(settings)
@@ -223,9 +225,11 @@ def read_topic(settings: Settings, topic: str, timeout_s: float = 10.0) -> list[
         ends = consumer.end_offsets(partitions)
         values: list[bytes] = []
         deadline = time.time() + timeout_s
-        while any(consumer.position(tp) < end for tp, end in ends.items()) and time.time() < deadline:
-            for records in consumer.poll(timeout_ms=500).values():
-                values.extend(r.value for r in records)
+        while time.time() < deadline:
+            polled = consumer.poll(timeout_ms=1000)
+            values.extend(r.value for records in polled.values() for r in records)
+            if not polled and all(consumer.position(tp) >= end for tp, end in ends.items()):
+                return values
         return values
     finally:
         consumer.close()

@@ -12,11 +12,10 @@ from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
-from kafka import KafkaConsumer, TopicPartition
 
 from app.stack import restart
 from liverl.contracts import Topics
-from liverl.kafka import KAFKA_PYTHON_API_VERSION
+from liverl.kafka import read_topic
 from liverl.keys import admin_headers
 from liverl.settings import Settings
 from policies.registry import Registry
@@ -148,20 +147,8 @@ def serve_and_judge(settings, key: str, n: int) -> str:
 
 # The feedback stream's tests: what goes in through the ingest API, what comes out on the topics.
 def read_all(settings, topic: str) -> list[dict]:
-    """Every message on `topic`, from the beginning until a poll finds nothing more (not up to
-    the high watermark, which Tansu puts at its last batch's base offset + 1)."""
-    consumer = KafkaConsumer(bootstrap_servers=settings.bootstrap, enable_auto_commit=False,
-                             api_version=KAFKA_PYTHON_API_VERSION)
-    try:
-        partitions = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic) or ()]
-        consumer.assign(partitions)
-        consumer.seek_to_beginning(*partitions)
-        values = []
-        while polled := consumer.poll(timeout_ms=1500):
-            values += [json.loads(r.value) for records in polled.values() for r in records]
-        return values
-    finally:
-        consumer.close()
+    """Every message on `topic`, parsed."""
+    return [json.loads(value) for value in read_topic(settings, topic, timeout_s=300)]
 
 
 def outcomes(settings, run: str) -> tuple[list[dict], list[dict]]:

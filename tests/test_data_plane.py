@@ -303,6 +303,26 @@ def test_dead_letters_can_be_listed_and_replayed(settings):
     assert listing.returncode == 0 and "unjoinable" in listing.stdout
 
 
+def test_the_newest_dead_letters_of_a_batch_are_listed(settings, stack):
+    """Five dead letters in one producer batch: `liverl dlq` finds the last of them. It read
+    the topic up to the end offset the broker answers, which Tansu's in-memory engine puts
+    at its last batch's base offset + 1 (the rest of the newest batch unread); it now reads
+    until a poll finds nothing more. (The default disk-backed broker answered the true end.)"""
+    from confluent_kafka import Producer
+
+    from liverl.contracts import DeadLetter
+
+    run = uuid.uuid4().hex[:8]
+    producer = Producer({"bootstrap.servers": settings.bootstrap, "linger.ms": 200})
+    for i in range(5):
+        letter = DeadLetter(event_id=f"dl-{run}-{i}", source_topic=Topics.FEEDBACK, reason="test: one batch",
+                            payload="{}")
+        producer.produce(Topics.DEAD_LETTER, letter.model_dump_json().encode(), partition=0)
+    assert producer.flush(30) == 0
+    shown = liverl(settings, "dlq", "show", f"dl-{run}-4")
+    assert shown.returncode == 0 and f"dl-{run}-4" in shown.stdout, shown.stdout + shown.stderr
+
+
 def test_metrics_endpoints_expose_counters_without_secrets(settings, dev_keys):
     for port in (settings.ports.api, settings.ports.gateway, settings.ports.sink):
         text = httpx.get(settings.url(port) + "/metrics/").text
