@@ -67,5 +67,23 @@ class TruthfulCommitConsumer(faust_kafka.Consumer):
         return run[-1] + 1
 
 
+    def held_at(self, tp: Any) -> int | None:
+        """The offset the commit on `tp` is held at while offsets past it are acked and none
+        before them is in flight: one the worker never got (None: not held)."""
+        committed, acked = self._committed_offset.get(tp), self._acked.get(tp)
+        if committed is None or not acked or min(acked) <= committed + 1:  # +1: as _new_offset
+            return None
+        if any(m.tp == tp and committed <= m.offset < min(acked) for m in self._unacked_messages):
+            return None
+        return committed
+
+    def count_done(self, tp: Any, start: int, end: int) -> None:
+        """Offsets [start, end) of `tp` hold no record (a hole in the log): nothing to process,
+        so the commit may pass them."""
+        offsets = [offset for offset in range(start, end) if offset not in self._acked_index[tp]]
+        self._acked[tp].extend(offsets)
+        self._acked_index[tp].update(offsets)
+
+
 class Transport(faust_kafka.Transport):
     Consumer = TruthfulCommitConsumer

@@ -5,6 +5,7 @@ its topics on disk (app.broker_store)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import threading
@@ -14,6 +15,8 @@ import httpx
 import pytest
 from helpers import item, sql, wait_for
 
+from liverl.contracts import Topics
+from liverl.kafka import group_lag
 from liverl.manifest import read_manifest
 from liverl.process import alive
 
@@ -71,3 +74,6 @@ def test_a_broker_killed_under_load_loses_no_acknowledged_event(settings, api, v
     # Each exactly once (an event the broker did not acknowledge in time, a 503, is the
     # client's to send again: stored once or not at all).
     assert {i: n for i, n in counts.items() if n > 1} == {}, answers
+    # The stream, which lived through the kill, reads on past it as well.
+    wait_for(lambda: asyncio.run(group_lag(settings, "liverl-feedback", (Topics.FEEDBACK, Topics.TRAJECTORIES))) == 0,
+             timeout=120, interval=1)
