@@ -305,9 +305,10 @@ def test_dead_letters_can_be_listed_and_replayed(settings):
 
 def test_the_newest_dead_letters_of_a_batch_are_listed(settings, stack):
     """Five dead letters in one producer batch: `liverl dlq` finds the last of them. It read
-    the topic up to the end offset the broker answers, which Tansu's in-memory engine puts
-    at its last batch's base offset + 1 (the rest of the newest batch unread); it now reads
-    until a poll finds nothing more. (The default disk-backed broker answered the true end.)"""
+    the topic up to the end offset the broker answers, which Tansu puts at its last batch's
+    base offset + 1, so a poll that returned part of that batch ended the read there; it now
+    reads until a poll finds nothing more. (It passed before that too: one poll took the
+    whole batch.)"""
     from confluent_kafka import Producer
 
     from liverl.contracts import DeadLetter
