@@ -76,7 +76,8 @@ def test_corruption_at_rest_is_an_error(store, tmp_path):
     source = tmp_path / "source"
     source.write_bytes(os.urandom(3000))
     store.put("v.delta", source)
-    store._put("v.delta", source.read_bytes()[:1500] + b"\0" + source.read_bytes()[1501:])
+    data = source.read_bytes()  # one byte flipped (set to 0, a random byte that was 0 already stayed intact)
+    store._put("v.delta", data[:1500] + bytes([data[1500] ^ 0xFF]) + data[1501:])
     with pytest.raises(StoreError, match="chunk at byte 1000 is corrupted"):
         store.get("v.delta")
     assert not store.cache_dir.joinpath("v.delta").exists()
