@@ -9,8 +9,8 @@ A write's cost barely depends on its size, so the sink gathers what arrives with
     .venv/bin/python benchmarks/bench_sink_writes.py --stored 1000000 --stored 10000000
 
 With `--stored N`, feedback_events and samples first get N rows each (a month of history,
-or `--spread-s` seconds of it,
-through SQL, so the materialized views see them as they see the sink's writes), then the
+or `--spread-s` seconds of it, through SQL, so the materialized views see them as they see
+the sink's writes), then the
 sink stores `--batches` batches of `--batch` fresh feedback events, and as many batches of
 samples of which a tenth are revisions of stored samples (once the fill's merges are done);
 each batch's wall and CPU time (CPU: the process, chdb's threads included).

@@ -66,7 +66,6 @@ class TruthfulCommitConsumer(faust_kafka.Consumer):
         self._acked_index[tp].difference_update(run)
         return run[-1] + 1
 
-
     def held_at(self, tp: Any) -> int | None:
         """The offset the commit on `tp` is held at while offsets past it are acked and none
         before them is in flight: one the worker never got (None: not held)."""

@@ -228,8 +228,8 @@ def check_reachable(settings: Settings) -> None:
 
 def read_topic(settings: Settings, topic: str, timeout_s: float = 10.0) -> list[bytes]:
     """Every message on a topic, from the beginning to its current end (no group): past the
-    end offsets the broker answers, until a poll finds nothing more, since Tansu's in-memory
-    engine answers a partition's last batch's base offset + 1 as its end."""
+    end offsets the broker answers, until a poll finds nothing more, since Tansu answers a
+    partition's last batch's base offset + 1 as its end."""
     from kafka import KafkaConsumer, TopicPartition
 
     check_reachable(settings)
@@ -246,7 +246,7 @@ def read_topic(settings: Settings, topic: str, timeout_s: float = 10.0) -> list[
             polled = consumer.poll(timeout_ms=1000)
             values.extend(r.value for records in polled.values() for r in records)
             if not polled and all(consumer.position(tp) >= end for tp, end in ends.items()):
-                return values
+                break
         return values
     finally:
         consumer.close()
