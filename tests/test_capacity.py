@@ -236,8 +236,11 @@ def test_on_call_pauses_lending_through_the_api_and_a_restart_keeps_it(settings,
             paused = api.post("/admin/pause", json={"reason": "a launch at noon"}, headers=admin)
             assert paused.json() == {"paused": True, "lent": []}  # it answers once every lent replica is back
             assert all(r.enabled and r.alias is None for r in read_pool(settings).replicas)
+            # The take-back is recorded just after the pool shows the replica back (its swap's
+            # report goes with it), so a moment after the answer.
+            wait_for(lambda: read_events(settings)[-1].action == "take_back", timeout=30)
             back = read_events(settings)[-1]
-            assert back.action == "take_back" and back.why.endswith("a launch at noon")
+            assert back.why.endswith("a launch at noon")
             time.sleep(3 * fast.lend_after_s)  # quiet, and nothing lent
             assert not read_pool(settings).lent and read_events(settings)[-1] == back
             assert api.get("/health").json()["paused"]["reason"] == "a launch at noon"
