@@ -382,11 +382,12 @@ SOURCES = ("gateway", "api", "rollouts", "capacity")  # where new events come fr
 
 def stop_sources(settings: Settings, names: tuple[str, ...] = SOURCES) -> None:
     """Stop the components among `names`: by default those new events come from, so a
-    drain can end."""
+    drain can end. The supervisor first, or it would start them again as dead (and a
+    drain fed by restarted rollouts would never end): the stack is on its way down."""
     manifest = read_manifest(settings)
-    for component in manifest.components if manifest else []:
-        if component.name in names:
-            stop_pid(component.pid)
+    stopping = [c for c in manifest.components if c.name in ("supervisor", *names)] if manifest else []
+    for component in sorted(stopping, key=lambda c: c.name != "supervisor"):
+        stop_pid(component.pid)
 
 
 def only_open_groups_left(settings: Settings, lags: dict[str, int], held: list[dict]) -> bool:
@@ -415,9 +416,8 @@ def down(settings: Settings, say: Callable[[str], None] = print, force: bool = F
         say("nothing to stop")
         return
     by_name = {c.name: c for c in manifest.components}
-    # The supervisor first, or it would start again what `down` stops; then new traffic;
-    # then everything in flight is drained; then the rest.
-    stop_sources(settings, ("supervisor",))
+    # New traffic first (the supervisor before it); then everything in flight is drained;
+    # then the rest.
     stop_sources(settings)
     if not force and "broker" in by_name and alive(by_name["broker"].pid):
         drain(settings, settings.drain_timeout_s, say)

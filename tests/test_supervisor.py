@@ -12,7 +12,7 @@ import time
 from fastapi.testclient import TestClient
 from helpers import alert_receiver, wait_for
 
-from app.stack import start
+from app.stack import start, stop_sources
 from app.supervisor import Supervisor, create_app
 from liverl.audit import AuditLog
 from liverl.keys import KeyStore
@@ -113,6 +113,36 @@ def test_a_live_component_whose_health_check_keeps_failing_is_restarted(tmp_path
         stop.set()
         thread.join(timeout=10)
         stop_pid(by_name(settings)["stuck"].pid, timeout=2)
+
+
+SUPERVISE = """import sys, threading
+from pathlib import Path
+from app.supervisor import Supervisor
+from liverl.settings import Settings, SupervisorConfig
+config = SupervisorConfig(poll_s=0.05, backoff_s=0.1)
+Supervisor(Settings(data_dir=Path(sys.argv[1]), supervisor=config)).run(threading.Event())"""
+
+
+def test_what_is_stopped_for_a_drain_stays_stopped(tmp_path):
+    """The demo stops the rollouts before its drain (a trough at the end would feed the drain
+    for ever): the supervisor, a process of the stack, must not start them again as dead."""
+    settings = Settings(data_dir=tmp_path)
+    settings.run_dir.mkdir(parents=True)
+    rollouts = python_component(settings, "rollouts", "import time; time.sleep(120)")
+    supervisor = Component(name="supervisor", pid=0, log=str(settings.run_dir / "supervisor.log"),
+                           argv=[sys.executable, "-c", SUPERVISE, str(tmp_path)])
+    start(settings, supervisor)
+    write_manifest(settings, Manifest(cluster_id="c", started_at=time.time(), components=[rollouts, supervisor]))
+    try:
+        time.sleep(2)  # the supervisor up and looking
+        assert alive(supervisor.pid)
+        stop_sources(settings, ("rollouts",))
+        time.sleep(2)  # many looks and backoffs
+        assert by_name(settings)["rollouts"].restarts == 0 and not alive(by_name(settings)["rollouts"].pid)
+        assert not alive(supervisor.pid)  # stopped first: the stack is on its way down
+    finally:
+        for component in by_name(settings).values():
+            stop_pid(component.pid, timeout=2)
 
 
 def free_port() -> int:
