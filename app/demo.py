@@ -532,7 +532,8 @@ def held_for_skill(settings: Settings) -> list[dict]:
 
 def skill_guard_cost(settings: Settings) -> dict:
     """What judging skill before each canary cost: the evaluator's seconds per evaluation and
-    the seconds each candidate waited for its figures (medians and maxima), and the verdicts."""
+    the seconds each candidate's canary waited for its figures (medians and maxima; none if
+    they were ready, asked for ahead during the canary before), and the verdicts."""
     versions = Registry(settings.policies_dir).versions()
     seconds = [v.metrics["heldout"]["seconds"] for v in versions if "seconds" in (v.metrics.get("heldout") or {})]
     judged = [v.metrics["skill"] for v in versions if "waited_s" in (v.metrics.get("skill") or {})]

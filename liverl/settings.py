@@ -529,10 +529,15 @@ class PromotionConfig(Config):
     heldout_margin: Fraction = Field(0.05, description="How far a stable version's held-out pass rate may fall "
                                      "below the best earlier one's before the held-out watch alerts.")
     skill_guard: bool = Field(True, description="Before its canary, judge a candidate on each held-out evaluation "
-                              "(the evaluator's: rollouts.heldout_every_s) against the starter and stable, task by "
-                              "task; one that surely lost skill is held (rejected, the learner rewinds).")
+                              "(the evaluator's: rollouts.heldout_every_s) against the starter and stable "
+                              "(skill_reference), task by task; one that surely lost skill is held (rejected, the "
+                              "learner rewinds).")
+    skill_reference: Literal["stable", "best_recent"] = Field(
+        "stable", description="What else the skill guard judges a candidate against, beside the starter: stable, or "
+        "the best of the last slide_lookback stables (the held-out watch's reference; a skill given back a step at a "
+        "time is held too, at production's pace).")
     skill_margin: Fraction = Field(0.05, description="How far a candidate's held-out pass rate may fall below the "
-                                   "starter's or stable's before the skill guard may hold it.")
+                                   "starter's or its other reference's before the skill guard may hold it.")
     skill_false_hold_rate: float = Field(0.05, gt=0, lt=0.5, description="Level of the skill guard's exact sign "
                                          "test against each reference: the chance of holding a candidate that "
                                          "lost nothing to it.")

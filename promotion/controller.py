@@ -14,9 +14,10 @@ never waits for a canary and a learner restart never interrupts one.
   the newer one takes its place. Neither by `max_samples` or `max_canary_s`: aborted as
   inconclusive.
 - The skill guard: before its canary, a candidate is judged on each held-out evaluation
-  (the evaluator's figures, task by task) against the starter and stable; one that surely
-  lost skill is held (rejected, the learner asked to rewind), since users' feedback cannot
-  show it and a version users like may still have forgotten what rollouts taught.
+  (the evaluator's figures, task by task) against the starter and stable (or the best recent one);
+  one that surely lost skill is held (rejected, the learner asked to rewind), since users'
+  feedback cannot show it and a version users like may still have forgotten what rollouts
+  taught.
 - The slide guard: small steps can add up to a decline no single comparison calls
   significant. Stable's served accept rate is compared with that of each of the last
   `slide_lookback` stables over their own time as stable; when it is surely more than
@@ -229,6 +230,7 @@ class Controller:
         if canaries := self.registry.in_state("canary"):
             for older in canaries[:-1]:  # one canary at a time; a crash may have left two
                 self.promoter.abort(older.version, ACTOR, f"{canaries[-1].version} is the canary")
+            self.ask_ahead(canaries[-1])
             return self.judge(canaries[-1])
         if pin := self.registry.pinned():
             self.state = f"stable pinned at {pin.version} by {pin.actor}: {pin.reason}"
@@ -524,6 +526,15 @@ class Controller:
         if "skill" not in candidate.metrics and self.evaluator_answers():
             self.registry.update_metrics(candidate.version, skill={"verdict": "waiting", "asked_at": time.time()})
 
+    def ask_ahead(self, canary: PolicyVersion) -> None:
+        """While a canary is judged, the newest candidate after it that passed the offline gate
+        is scored: its verdict is ready when the canary ends, rather than a whole evaluation
+        (tens of seconds at a peak on busy cores) after."""
+        newer = [c for c in self.registry.in_state("candidate")
+                 if c.seq > canary.seq and (c.metrics.get("gate") or {}).get("passed")]
+        if newer:
+            self.ask_for_skill(newer[-1])
+
     def skill_scored(self, eligible: list[PolicyVersion]) -> PolicyVersion | None:
         """While the evaluator runs: the newest candidate that passed the offline gate and has
         its held-out figures, while the newest of all is asked for (a learner that writes a
@@ -538,13 +549,27 @@ class Controller:
     def skill_references(self, stable: PolicyVersion, figures: dict) -> list[tuple[str, dict]] | None:
         """The versions a candidate must not have lost skill against, with their figures on
         the same tasks: the starter (the skill before any learning) and stable (what it
-        replaces). None while stable is not scored yet (the evaluator scores it first)."""
+        replaces), or with `skill_reference` best_recent the best scored of the last
+        `slide_lookback` stables, stable among them (the held-out watch's own reference: a
+        skill users were served, lost a step at a time, no step significant against the
+        stable before it, would otherwise drain away). None while stable is not scored yet
+        (the evaluator scores it first)."""
         if "heldout" not in stable.metrics:
             return None
-        starter = self.registry.versions()[0]
-        versions = [starter, stable] if starter.seq != stable.seq else [stable]
-        return [(v.version, v.metrics["heldout"]) for v in versions
-                if (v.metrics.get("heldout") or {}).get("task_set") == figures["task_set"]]
+
+        def on_same_tasks(versions: list[PolicyVersion]) -> list[PolicyVersion]:
+            return [v for v in versions if (v.metrics.get("heldout") or {}).get("task_set") == figures["task_set"]]
+
+        recent = on_same_tasks([*self.scored_stables()[-self.config.slide_lookback:], stable]
+                               if self.config.skill_reference == "best_recent" else [stable])
+        best = [max(recent, key=lambda v: v.metrics["heldout"]["pass_rate"])] if recent else []
+        references = {v.version: v.metrics["heldout"] for v in on_same_tasks([self.registry.versions()[0]]) + best}
+        return list(references.items())
+
+    def scored_stables(self) -> list[PolicyVersion]:
+        """Each version that was stable and has held-out figures, in the order it first became stable."""
+        versions = {version: self.registry.get(version) for version, _, _ in self.stable_periods()}
+        return [v for v in versions.values() if "solved" in (v.metrics.get("heldout") or {})]
 
     def skill_passed(self, candidate: PolicyVersion, stable: PolicyVersion) -> bool:
         """The skill guard's verdict on the candidate before its canary: True to go on. Its
@@ -557,6 +582,9 @@ class Controller:
         references = self.skill_references(stable, figures) if figures else None
         if figures is None or references is None:
             self.ask_for_skill(candidate)
+            skill = self.registry.get(candidate.version).metrics.get("skill")
+            if skill is not None and "blocked_at" not in skill:  # the canary waits from now (it may be asked ahead)
+                self.registry.update_metrics(candidate.version, skill=skill | {"blocked_at": time.time()})
             self.state = f"{candidate.version} waits for its held-out evaluation (the skill guard)"
             return False
         comparisons = [compare_skill(figures.get("evaluation", "held-out"), version, reference["solved"],
@@ -566,7 +594,7 @@ class Controller:
         lost = [c for c in comparisons if c.lost_skill]
         self.registry.update_metrics(candidate.version, skill={
             "verdict": "held" if lost else "non_inferior", "comparisons": [c.model_dump() for c in comparisons],
-            "waited_s": round(time.time() - asked.get("asked_at", time.time()), 2)})
+            "waited_s": round(time.time() - asked.get("blocked_at", time.time()), 2)})
         if lost:
             self.hold_for_skill(candidate, stable, lost)
         return not lost
@@ -647,11 +675,7 @@ class Controller:
         if time.time() < self.next_heldout_check:
             return
         self.next_heldout_check = time.time() + 10 * self.config.poll_s
-        scored: dict[str, dict] = {}  # each version that was stable and scored, in the order it became stable
-        for version, _, _ in self.stable_periods():
-            figures = self.registry.get(version).metrics.get("heldout") or {}
-            if "solved" in figures:
-                scored.setdefault(version, figures)
+        scored = {v.version: v.metrics["heldout"] for v in self.scored_stables()}
         if not scored or list(scored)[-1] == self.heldout_checked:
             return
         *before, (version, figures) = scored.items()

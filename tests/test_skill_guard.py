@@ -1,7 +1,8 @@
 """The skill guard's verdict, without a stack: a candidate is judged on the held-out
-evaluator's figures against the starter and stable, task by task, before its canary; one
-that surely lost skill is held (rejected, with the evaluation and its figures), the
-learner is asked to rewind, and what was trained on top of it never reaches a canary."""
+evaluator's figures against the starter and stable (or the best recent stable), task by
+task, before its canary; one that surely lost skill is held (rejected, with the evaluation
+and its figures), the learner is asked to rewind, and what was trained on top of it never
+reaches a canary."""
 
 from __future__ import annotations
 
@@ -85,6 +86,24 @@ def test_a_candidate_waits_for_its_figures_and_as_good_as_both_goes_on(guarded, 
     assert skill["verdict"] == "non_inferior" and [c["reference"] for c in skill["comparisons"]] == ["v0"]
 
 
+def test_the_next_candidate_is_scored_while_a_canary_is_judged(guarded, starter_dir):
+    """Its verdict is ready when the canary ends: the canary after it does not wait."""
+    settings, registry, evaluator, controller = guarded
+    canary = candidate(settings, registry, starter_dir, "v0")
+    controller.ask_for_skill(registry.get(canary))
+    evaluator.step()  # stable first (the reference) ...
+    evaluator.step()  # ... then the candidate, before its canary
+    registry.transition(canary, "canary", "test", "gate passed")  # by hand: the controller leaves it be
+    following = candidate(settings, registry, starter_dir, canary)
+    controller.step()
+    assert registry.get(following).metrics["skill"]["verdict"] == "waiting"  # asked for ahead
+    evaluator.step()
+    registry.transition("v0", "superseded", "test", f"{canary} promoted")
+    registry.transition(canary, "stable", "test", "non-inferior")
+    assert controller.skill_passed(registry.get(following), registry.stable())
+    assert registry.get(following).metrics["skill"]["waited_s"] == 0  # ready when the canary ended
+
+
 def test_a_candidate_that_lost_skill_is_held_and_the_learner_rewinds(guarded, starter_dir):
     settings, registry, evaluator, controller = guarded
     evaluator.step()  # the starter's figures
@@ -105,6 +124,48 @@ def test_a_candidate_that_lost_skill_is_held_and_the_learner_rewinds(guarded, st
     controller.take_candidate()
     assert registry.get(on_top).state == "rejected"
     assert f"trained on top of {lost}, held for skill" in registry.history(on_top)[-1]["reason"]
+
+
+def test_a_skill_given_back_a_step_at_a_time_is_held_against_the_best_recent_stable(guarded, starter_dir):
+    """No step is significant against the stable it replaces, but the candidate lost what an
+    earlier stable had: with `skill_reference` best_recent, held against that one (the
+    held-out watch's own reference); against stable alone, it passes."""
+    settings, registry, evaluator, against_stable = guarded
+    best_recent = settings.promotion.model_copy(update={"skill_reference": "best_recent"})
+    controller = Controller(settings.model_copy(update={"promotion": best_recent}))
+    evaluator.step()  # the starter's figures, for its task set
+    tasks = registry.get("v0").metrics["heldout"]["task_set"]
+
+    def scored(version: str, solved: int) -> None:
+        registry.update_metrics(version, heldout={"evaluation": "coding", "task_set": tasks,
+                                                  "solved": "1" * solved + "0" * (20 - solved),
+                                                  "pass_rate": solved / 20})
+
+    def promote(version: str) -> None:
+        old = registry.stable().version
+        registry.transition(version, "canary", "test", "gate passed")
+        registry.transition(old, "superseded", "test", f"{version} promoted")
+        registry.transition(version, "stable", "test", "non-inferior")
+
+    scored("v0", 6)
+    taught = candidate(settings, registry, starter_dir, "v0")
+    scored(taught, 14)  # the rollouts taught 8 more tasks
+    promote(taught)
+    eroded = candidate(settings, registry, starter_dir, taught)
+    scored(eroded, 10)  # 4 lost against it: p 1/16, not significant
+    assert controller.skill_passed(registry.get(eroded), registry.stable())
+    promote(eroded)
+    further = candidate(settings, registry, starter_dir, eroded)
+    scored(further, 6)  # 4 more lost: not significant against stable, nor below the starter
+    assert against_stable.skill_references(registry.stable(), registry.get(further).metrics["heldout"]) == [
+        ("v0", registry.get("v0").metrics["heldout"]), (eroded, registry.get(eroded).metrics["heldout"])]
+    assert not controller.skill_passed(registry.get(further), registry.stable())
+    skill = registry.get(further).metrics["skill"]
+    assert skill["verdict"] == "held" and [c["reference"] for c in skill["comparisons"]] == ["v0", taught]
+    assert [c["lost_skill"] for c in skill["comparisons"]] == [False, True]
+    assert registry.history(further)[-1]["reason"].startswith(
+        f"held for skill: coding: held-out pass rate 0.300 against {taught}'s 0.700 on the same 20 tasks (8 lost")
+    assert registry.last_rewind().version == eroded  # back to stable, as after any hold
 
 
 def test_no_evaluator_no_skill_evidence(tmp_path, starter_dir):
