@@ -8,6 +8,7 @@ import socket
 import sys
 import threading
 import time
+from pathlib import Path
 
 from fastapi.testclient import TestClient
 from helpers import alert_receiver, wait_for
@@ -120,7 +121,9 @@ from pathlib import Path
 from app.supervisor import Supervisor
 from liverl.settings import Settings, SupervisorConfig
 config = SupervisorConfig(poll_s=0.05, backoff_s=0.1)
-Supervisor(Settings(data_dir=Path(sys.argv[1]), supervisor=config)).run(threading.Event())"""
+supervisor = Supervisor(Settings(data_dir=Path(sys.argv[1]), supervisor=config))
+print("looking", flush=True)
+supervisor.run(threading.Event())"""
 
 
 def test_what_is_stopped_for_a_drain_stays_stopped(tmp_path):
@@ -134,7 +137,9 @@ def test_what_is_stopped_for_a_drain_stays_stopped(tmp_path):
     start(settings, supervisor)
     write_manifest(settings, Manifest(cluster_id="c", started_at=time.time(), components=[rollouts, supervisor]))
     try:
-        time.sleep(2)  # the supervisor up and looking
+        # Up and looking (its imports take seconds on a busy machine), so that on the old code
+        # it would have restarted the rollouts within the two seconds below.
+        wait_for(lambda: "looking" in Path(supervisor.log).read_text(), timeout=60)
         assert alive(supervisor.pid)
         stop_sources(settings, ("rollouts",))
         time.sleep(2)  # many looks and backoffs
