@@ -138,7 +138,7 @@ class Launcher:
                 argv = ["taskset", "-c", ",".join(map(str, self.settings.stream_cpus)), *argv]
         if nice is not None:
             argv = ["nice", "-n", str(nice), *argv]
-        health = url + ("/" if module == COMPONENTS["feedback"] else "/health")
+        health = url + "/health"
         process = self.spawn(name, argv, health, url, nice=nice)
         self.wait(name, process, health, self.settings.start_timeout_s)
         self.say(f"  {name:<10} {url}")
@@ -146,8 +146,8 @@ class Launcher:
     def stream_worker(self, index: int) -> None:
         """Stream worker `index` (0: "feedback"), on web port feedback + index."""
         port = self.settings.ports.feedback + index
-        self.python(stream_worker_name(index), port, "worker", "-l", "warn", "--web-port", str(port),
-                    "--web-host", self.settings.host, background=True, module=COMPONENTS["feedback"])
+        self.python(stream_worker_name(index), port, "--port", str(port), background=True,
+                    module=COMPONENTS["feedback"])
 
     def broker(self) -> None:
         """The embedded broker (and, on disk, the store that keeps its topics)."""

@@ -114,8 +114,7 @@ def cpu_seconds(process: psutil.Process) -> float:
 def drain(settings: Settings, events: int, log: Path, timeout_s: float) -> dict:
     """Starts the worker and counts its samples; CPU of worker and broker from first to last."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", **settings.environment())
-    worker = subprocess.Popen([sys.executable, "-m", "feedback.stream", "worker", "-l", "warn",
-                               "--web-port", str(settings.ports.feedback), "--web-host", settings.host],
+    worker = subprocess.Popen([sys.executable, "-m", "feedback.stream", "--port", str(settings.ports.feedback)],
                               env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
     consumer = Consumer({"bootstrap.servers": settings.bootstrap, "group.id": "bench-stream-count",
                          "auto.offset.reset": "earliest", "enable.auto.commit": False})

@@ -39,12 +39,12 @@ class Topics:
     REQUESTS = "liverl.requests"  # failed/served request records for error-rate analytics
     POLICY_VERSIONS = "liverl.policy-versions"  # registry state changes, for analysts
     CAPACITY = "liverl.capacity"  # replicas lent to rollouts and taken back
-    # The join's own queue of reward windows to close: a faust table may only be
-    # changed by the agent that consumes its partition, not by a timer.
-    WINDOW_CLOSE = "liverl.feedback.window-close"
+    # The join's states, per source partition (feedback/stream.py); named as faust named
+    # its table's changelog, so a store written before the stream left faust restores.
+    COMPLETIONS_CHANGELOG = "liverl-feedback-completions-changelog"
 
     ALL = (TRAJECTORIES, FEEDBACK, SAMPLES, DEAD_LETTER, REQUESTS, POLICY_VERSIONS, CAPACITY)
-    INTERNAL = (WINDOW_CLOSE,)
+    INTERNAL = (COMPLETIONS_CHANGELOG,)
 
 
 def utcnow() -> datetime:

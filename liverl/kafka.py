@@ -172,23 +172,6 @@ async def group_positions(settings: Settings, group: str, topics: tuple[str, ...
         await consumer.stop()
 
 
-async def first_offset_from(settings: Settings, topic: str, partition: int, offset: int) -> int | None:
-    """The offset of the first record the broker holds at or after `offset` (None: none yet).
-    Above `offset` when the log has no records there."""
-    from aiokafka import AIOKafkaConsumer, TopicPartition
-
-    tp = TopicPartition(topic, partition)
-    consumer = AIOKafkaConsumer(bootstrap_servers=settings.bootstrap, enable_auto_commit=False)
-    await consumer.start()
-    try:
-        consumer.assign([tp])
-        consumer.seek(tp, offset)
-        records = (await consumer.getmany(tp, timeout_ms=2000, max_records=1)).get(tp, [])
-        return records[0].offset if records else None
-    finally:
-        await consumer.stop()
-
-
 async def group_backlog(settings: Settings, group: str, topics: tuple[str, ...]) -> Backlog:
     """Consumer group `group`'s backlog on `topics`: its lag, and the age of the message at
     each partition's committed offset (the oldest it has not processed) by its timestamp."""

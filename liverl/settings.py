@@ -295,9 +295,6 @@ class FeedbackConfig(Config):
         3600.0, gt=0, description="How long after a completion feedback still joins it on time."
     )
     sweep_interval_s: float = Field(5.0, gt=0, description="How often due windows are closed while no events arrive.")
-    fetch_stall_s: float = Field(20.0, gt=0, description="A partition behind its end whose next event has not come "
-                                 "for this long is sought to its place again (faust at times stopped handing one "
-                                 "partition over after a rebalance).")
     workers: int = Field(1, ge=1, le=10, description="Stream workers in one consumer group (web ports feedback, "
                          "feedback + 1, ...): they share the topics' partitions, and a dead worker's partitions "
                          "pass, with their table state, to the others. More than the partitions: some idle.")
