@@ -124,7 +124,8 @@ def parse(topic: str, raw: bytes) -> Trajectory | FeedbackEvent:
 
 
 def new_state(now: float, partition: int = 0) -> State:
-    return CompletionState(first_seen=now, partition=partition)
+    # Built from two numbers the join already holds: validating them cost 6% of the stream's CPU.
+    return CompletionState.model_construct(first_seen=now, partition=partition)
 
 
 class FeedbackJoin:
@@ -187,8 +188,8 @@ class FeedbackJoin:
             state.event_ids.append(event.event_id)
             out.counts.append((topic, "joined"))
             self._store(key, state)
-            if state.due_at(self.window_s) != due:
-                heapq.heappush(self.due, (state.due_at(self.window_s), key))
+            if (now_due := state.due_at(self.window_s)) != due:
+                heapq.heappush(self.due, (now_due, key))
         return out
 
     def _trajectory_arrived(self, state: State, trajectory: Trajectory, topic: str, raw: bytes,

@@ -59,6 +59,7 @@ class Rewarder:
     def __init__(self, config: RewardConfigFile):
         self.config = config
         self._hooks: dict[str, RewardHook] = {}
+        self._versions: dict[str, str] = {}  # per tenant: the config is fixed for the process's life
 
     @classmethod
     def from_file(cls, path: Path | None) -> Rewarder:
@@ -70,9 +71,11 @@ class Rewarder:
         return self.config.tenants.get(tenant, self.config.default)
 
     def fn_version(self, tenant: str) -> str:
-        config = self.for_tenant(tenant)
-        digest = hashlib.sha256(config.model_dump_json().encode()).hexdigest()[:8]
-        return f"{config.version}+{digest}"
+        if tenant not in self._versions:
+            config = self.for_tenant(tenant)
+            digest = hashlib.sha256(config.model_dump_json().encode()).hexdigest()[:8]
+            self._versions[tenant] = f"{config.version}+{digest}"
+        return self._versions[tenant]
 
     def _hook(self, spec: str) -> RewardHook:
         if spec not in self._hooks:
