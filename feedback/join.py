@@ -176,11 +176,11 @@ class FeedbackJoin:
             return out
         completion_id = event.completion_id if isinstance(event, Trajectory) else event.body.completion_id
         key = join_key(event.tenant, completion_id)
-        state = self.states.get(key) or new_state(now, partition)
+        known = self.states.get(key)
+        state = known or new_state(now, partition)
         if event.event_id in state.event_ids:
             out.counts.append((topic, "duplicate"))
             return out
-        due = state.due_at(self.window_s) if key in self.states else None
         if isinstance(event, Trajectory):
             joined = self._trajectory_arrived(state, event, topic, raw, now, out)
         else:
@@ -189,8 +189,8 @@ class FeedbackJoin:
             state.event_ids.append(event.event_id)
             out.counts.append((topic, "joined"))
             self._store(key, state)
-            if (now_due := state.due_at(self.window_s)) != due:
-                heapq.heappush(self.due, (now_due, key))
+            if known is None or isinstance(event, Trajectory):  # else its deadline has not moved
+                heapq.heappush(self.due, (state.due_at(self.window_s), key))
         return out
 
     def _trajectory_arrived(self, state: State, trajectory: Trajectory, topic: str, raw: bytes,
