@@ -1,9 +1,9 @@
-"""The feedback join as a state machine: no Kafka, no faust, no clock of its own.
+"""The feedback join as a state machine: no Kafka, no clock of its own.
 
 Trajectories and feedback meet per tenant and completion (a completion id is the
 tenant's own name: another tenant using the same id shares nothing with it). The state
-of one completion is a `CompletionState`, what the stream's faust table holds (as JSON
-in its changelog, parsed once when the table is recovered).
+of one completion is a `CompletionState`, what the stream's worker holds (as JSON in
+its changelog, parsed once when a partition's states are restored).
 
 - feedback may arrive before its trajectory: it waits, up to the reward window;
 - the first feedback on a known trajectory emits revision 0 of the sample; more
@@ -130,8 +130,8 @@ def new_state(now: float, partition: int = 0) -> State:
 
 
 class FeedbackJoin:
-    """The join over `states` (join_key -> CompletionState): a plain dict in tests, the
-    faust table's store in the stream, whose changelog gets `take_changed()` after a batch."""
+    """The join over `states` (join_key -> CompletionState), a plain dict; the stream writes
+    `take_changed()` to its changelog after each batch."""
 
     def __init__(self, states: MutableMapping[str, State], rewarder: Rewarder,
                  window_s: float, max_feedback: int, max_unjoined: int | None = None):

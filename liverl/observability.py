@@ -35,9 +35,9 @@ def setup_logging(component: str) -> logging.Logger:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.INFO)
-    # aiokafka and faust are chatty at INFO about every rebalance; the HTTP clients (httpx,
-    # and httpx2 under openai 3) about every request.
-    for noisy in ("aiokafka", "kafka", "faust", "mode", "uvicorn.access", "httpx", "httpx2"):
+    # aiokafka is chatty at INFO about every rebalance; the HTTP clients (httpx, and httpx2
+    # under openai 3) about every request.
+    for noisy in ("aiokafka", "kafka", "uvicorn.access", "httpx", "httpx2"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     return logging.getLogger(component)
 

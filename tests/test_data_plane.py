@@ -1,4 +1,4 @@
-"""The data plane end to end on real parts: vLLM, Tansu, faust, chdb, FastAPI."""
+"""The data plane end to end on real parts: vLLM, Tansu, librdkafka, chdb, FastAPI."""
 
 from __future__ import annotations
 

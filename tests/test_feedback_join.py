@@ -1,4 +1,4 @@
-"""The feedback join on its own: a fake clock and a plain dict for the faust table, one
+"""The feedback join on its own: a fake clock and a plain dict for the states, one
 semantic per test. `test_data_plane.py` checks the wiring to Kafka end to end."""
 
 from __future__ import annotations
