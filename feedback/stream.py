@@ -1,6 +1,6 @@
 """The feedback stream: the join (`feedback/join.py`) wired to Kafka through librdkafka.
 
-    python -m feedback.stream --port PORT      # what `liverl up` starts, once per worker
+    python -m feedback.stream [--port PORT]     # what `liverl up` starts, once per worker
 
 Trajectories and feedback are both keyed by completion_id on co-partitioned topics. The
 workers of one consumer group split them with the range assignor, which gives a worker the
@@ -351,10 +351,11 @@ def create_app(worker: StreamWorker) -> FastAPI:
     return app
 
 
-def main(port: int = typer.Option(..., help="The worker's HTTP port (health, /table, /metrics).")) -> None:
+def main(port: int | None = typer.Option(None, help="The worker's HTTP port (health, /table, /metrics); "
+                                         "ports.feedback unless given (a second worker needs its own).")) -> None:
     settings = get_settings()
     worker = StreamWorker(settings)
-    serve_beside(create_app(worker), settings.host, port, worker.run)
+    serve_beside(create_app(worker), settings.host, port or settings.ports.feedback, worker.run)
 
 
 if __name__ == "__main__":
