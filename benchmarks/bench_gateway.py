@@ -79,11 +79,15 @@ def bench_settings(data_dir: Path, offset: int) -> Settings:
 
 def session(url: str, key: str | None) -> aiohttp.ClientSession:
     # aiohttp (C HTTP parser) rather than httpx: the client shares the two cores with what it measures.
+    # An idle connection is dropped before the server's keep-alive (uvicorn's 5 s) closes it:
+    # rounds of the other target in between once outlasted it, and a POST on the closing
+    # connection failed ("Cannot write to closing transport").
     if url.startswith(UNIX):
-        connector: aiohttp.BaseConnector = aiohttp.UnixConnector(path=url[len(UNIX):], limit=0)
+        connector: aiohttp.BaseConnector = aiohttp.UnixConnector(path=url[len(UNIX):], limit=0,
+                                                                 keepalive_timeout=2)
         url = "http://replica"
     else:
-        connector = aiohttp.TCPConnector(limit=0)
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=2)
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     return aiohttp.ClientSession(url, connector=connector, headers=headers,
                                  timeout=aiohttp.ClientTimeout(total=120))
