@@ -21,9 +21,9 @@ close by how far the worker has read (`StreamTime`), not by the clock: every
 the windows due by the stream's time.
 
 Why not faust (the stream's framework until Nov 29): its per-event machinery cost more
-than the join itself. Reading the two topics and nothing else, faust did 5,138 feedback
-events per CPU-second, librdkafka 502,375, and librdkafka with the join 14,330
-(benchmarks/bench_stream_floor.py, docs/benchmarks.md).
+than the join itself. Reading the two topics and nothing else, faust did 6,299 feedback
+events per CPU-second, librdkafka 759,273, and librdkafka with the join 17,625 (medians of
+three runs: benchmarks/bench_stream_floor.py, docs/benchmarks.md).
 """
 
 from __future__ import annotations
