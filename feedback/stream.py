@@ -38,7 +38,7 @@ import time
 from typing import Any, cast
 
 import typer
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, Message, Producer, TopicPartition
 from fastapi import FastAPI
 from prometheus_client import Counter
 
@@ -192,9 +192,8 @@ class StreamWorker:
         """The batch through the join, what it returns acknowledged, then its offsets committed."""
         events, offsets = [], {}
         for message in batch:
-            if error := message.error():
-                if error.code() != KafkaError._PARTITION_EOF:
-                    logger.warning("consuming: %s", error)
+            if error := message.error():  # partition ends are not reported (enable.partition.eof off)
+                logger.warning("consuming: %s", error)
                 continue
             topic, partition, offset = place(message)
             if partition not in self.owned:  # fetched before a rebalance gave it away: its new owner's
