@@ -28,6 +28,7 @@ from liverl.process import alive
 
 TENANT = "restart"  # the one tenant whose windows close with a default reward (tests/conftest.py)
 DEFAULT_REWARD = 0.25
+TICK_WORK_S = 3.0  # how late past a sweep a window may close on a loaded machine
 
 
 def component(settings, name: str):
@@ -95,7 +96,11 @@ def test_open_windows_outlive_a_killed_stream_and_broker(settings, stack):
         (f"{TENANT}:{silent}", 0, "default")]
     assert [(d["reason"], json.loads(d["payload"])["body"]["completion_id"]) for d in letters] == [(UNJOINABLE, orphan)]
     default = next(s for s in samples if s["reward_source"] == "default")
-    # At its original deadline, which the restart did not move (a sweep's lateness allowed).
+    # At its original deadline, which the restart did not move: a deadline restarted with the
+    # worker would fall a window after it came back. Late by at most a sweep's phase and a
+    # tick's work (the stream's time measured against a broker just restarted, on two cores
+    # the whole stack shares: 2.2 s seen with a 1 s sweep).
     emitted = datetime.fromisoformat(default["timestamp"]).timestamp()
-    assert (default["reward"], deadline <= emitted <= deadline + sweep + 1) == (DEFAULT_REWARD, True), \
+    assert default["reward"] == DEFAULT_REWARD
+    assert deadline <= emitted <= min(deadline + sweep + TICK_WORK_S, recovered + window), \
         f"default {emitted - served_at:.1f} s after serving; window {window} s, back {recovered - served_at:.1f} s"
