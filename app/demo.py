@@ -792,6 +792,10 @@ def demo_settings(day: bool = False) -> Settings:
         # trained before again beside production's (learner/mix.py; docs/learning.md, "Training
         # for both", chose eight); the skill guard holds a candidate that lost the skill anyway.
         defaults["learner"] |= {"replay_groups": 8}
+        # Between troughs the skill was lost a little at each version of production alone (seed 4
+        # of Nov 29: 0.215 -> 0.125 over ten stables, no step significant): once users accept 80%,
+        # those versions take half the step (learner/mix.py: settled_step).
+        defaults["learner"] |= {"settled_reward": 0.8, "settled_lr_scale": 0.5}
         # Each canary waits for the candidate's held-out figures (the skill guard), about a second
         # of CPU once the starter's lines are scored: at nice 19 beside a peak (and other work on
         # the machine) the starter's took 158 s (Nov 28). At 5, production still comes first.

@@ -18,6 +18,9 @@ versions behind), each mixed by the policy under test:
 - `kl`: production alone with a KL to the night's last version (`--set kl_coef=...`), the
   anchor to the last version that held the skill.
 
+Any of them with `--set settled_reward=0.8` (and `settled_lr_scale`): a version whose
+production accept reached it steps a share of the lr (`learner/mix.py: settled_step`).
+
 Held-out: `--heldout` tasks greedily (`rollouts/evaluate.py`, as the evaluator) at the
 start, after the night and every `--eval-every` versions of the day.
 
@@ -44,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_ablation import HOLDOUT, learner_config, published, sample  # noqa: E402
 
 from app.demo import hidden_rule, make_prompt  # noqa: E402
-from learner.mix import ReplayBuffer, as_if_sampled_now  # noqa: E402
+from learner.mix import ReplayBuffer, as_if_sampled_now, settled_step  # noqa: E402
 from learner.trainer import Trainer  # noqa: E402
 from liverl.contracts import RewardedSample, Trajectory  # noqa: E402
 from liverl.settings import Settings  # noqa: E402
@@ -149,7 +152,9 @@ def run(seed: int, policy: str, overrides: dict, trough_rounds: int, day_rounds:
         replayed = buffer.take(count)
         if policy == "anchor":
             replayed = as_if_sampled_now(trainer, replayed)
-        trainer.train(train + replayed, seed=k)
+        # With `--set settled_reward=...`, the learner's smaller step once production is learned.
+        step = settled_step([s.reward for s in samples], 0, config.settled_reward, config.settled_lr_scale)
+        trainer.train(train + replayed, seed=k, lr_scale=step)
         versions.append(published(trainer))
         if (k - trough_rounds + 1) % eval_every == 0:
             evals.append((k + 1, evaluate()))

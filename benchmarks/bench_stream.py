@@ -5,7 +5,7 @@
 Starts an embedded broker (Tansu, in memory) and nothing else of the stack, produces N
 trajectories and their N feedback events (each feedback `--lag` completions behind its
 trajectory, as a product answers a little after it was served; accept, reject and
-thumbs in turn), then starts the faust worker (`python -m feedback.stream worker`) on
+thumbs in turn), then starts a stream worker (`python -m feedback.stream`, librdkafka since Nov 29) on
 that backlog and counts the samples it emits until all N are out. The rate per core is
 N joined over the CPU seconds the worker spent between its first and its last sample
 (the worker is the only process doing join work; the broker's CPU over the same span
@@ -149,7 +149,7 @@ def drain(settings: Settings, events: int, log: Path, timeout_s: float) -> dict:
         worker.terminate()
         try:
             worker.wait(60)
-        except subprocess.TimeoutExpired:  # faust's clean stop can take longer on a busy machine
+        except subprocess.TimeoutExpired:  # a clean stop can take longer on a busy machine
             worker.kill()
             worker.wait()
         consumer.close()

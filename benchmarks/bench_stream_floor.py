@@ -13,7 +13,9 @@ bench_stream.py's target):
   (`take_events`, the worker's batch size and buffer), acking each batch, nothing else;
 - `librdkafka`: a confluent-kafka consumer in a group, `consume()` in batches of the same size,
   reading each message's topic, value, partition, offset and timestamp;
-- `librdkafka+join`: the same, each batch through `FeedbackJoin.process` and its samples and
+- `aiokafka`: the analytics sink's reader (`feedback/sink.py: gather`, an aiokafka consumer
+  in batches of up to 5,000 within the warehouse's batch_s), nothing else;
+- `librdkafka+join`: the same as `librdkafka`, each batch through `FeedbackJoin.process` and its samples and
   changed states produced through librdkafka and flushed, as the worker's `send` does (the
   worker's work without faust, less its table recovery and commits).
 """
@@ -41,7 +43,7 @@ from rich.table import Table
 from liverl.kafka import ensure_topics
 from liverl.settings import EmbeddedBroker, PortsConfig, Settings, get_settings
 
-READERS = ("faust", "librdkafka", "librdkafka+join")
+READERS = ("faust", "aiokafka", "librdkafka", "librdkafka+join")
 EVERY_READER = list(READERS)
 
 
@@ -76,6 +78,28 @@ def read_with_faust(bootstrap: str, events: int, web_port: int, result: Path) ->
 
     sys.argv = [sys.argv[0], "worker", "-l", "warn", "--web-port", str(web_port)]
     app.main()
+
+
+def read_with_aiokafka(bootstrap: str, events: int, result: Path) -> None:
+    from aiokafka import AIOKafkaConsumer
+
+    from feedback.sink import gather
+    from liverl.contracts import Topics
+
+    async def read() -> None:
+        consumer = AIOKafkaConsumer(Topics.TRAJECTORIES, Topics.FEEDBACK, bootstrap_servers=bootstrap,
+                                    group_id=f"floor-{uuid.uuid4().hex[:8]}", enable_auto_commit=False,
+                                    auto_offset_reset="earliest", max_poll_records=2000)
+        await consumer.start()
+        messages, first = 0, 0.0
+        while messages < 2 * events:
+            by_topic = await gather(consumer, get_settings().warehouse.batch_s)
+            if by_topic and not messages:
+                first = time.process_time()
+            messages += sum(len(values) for values in by_topic.values())
+        report(result, first, messages, events)
+
+    asyncio.run(read())
 
 
 def read_with_librdkafka(bootstrap: str, events: int, join: bool, result: Path) -> None:
@@ -156,7 +180,8 @@ def main(events: int = typer.Option(100_000, help="Feedback events in the backlo
          lag: int = typer.Option(5000, help="How many completions behind its trajectory each feedback comes."),
          runs: int = typer.Option(1, help="Runs, each on a fresh broker."),
          port_offset: int = typer.Option(0, help="Added to the broker's and the readers' default ports."),
-         reader: list[str] = typer.Option(EVERY_READER, help="Readers to run: faust, librdkafka, librdkafka+join."),
+         reader: list[str] = typer.Option(EVERY_READER, help="Readers to run: faust, aiokafka, librdkafka, "
+                                          "librdkafka+join."),
          bootstrap: str = typer.Option("", hidden=True, help="Set: be that reader on this broker (internal)."),
          result: Path = typer.Option(Path("floor.json"), hidden=True, help="Where that reader writes (internal)."),
          out: Path | None = typer.Option(None, help="Write every run's figures as JSON here.")) -> None:
@@ -165,6 +190,8 @@ def main(events: int = typer.Option(100_000, help="Feedback events in the backlo
     if bootstrap:
         if reader[0] == "faust":
             read_with_faust(bootstrap, events, 18170 + port_offset, result)
+        if reader[0] == "aiokafka":
+            read_with_aiokafka(bootstrap, events, result)
         read_with_librdkafka(bootstrap, events, reader[0] == "librdkafka+join", result)
         return
     unknown = set(reader) - set(READERS)

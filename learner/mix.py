@@ -11,6 +11,10 @@ replayed groups' behaviour logprobs are older than any fresh sample's; the trunc
 importance weight and the trust region around the parent bound what they can do.
 Replayed samples are not learned again in the registry's record (exactly once): they are
 counted in the version's metrics (`replayed_samples`).
+
+Once production is learned (its samples' mean reward at `learner.settled_reward`), a
+version of production alone takes a smaller step (`settled_step`): the day's skill was lost
+a little at every such version, not at a few large ones (docs/benchmarks.md, the day).
 """
 
 from __future__ import annotations
@@ -41,6 +45,16 @@ class ReplayBuffer:
             self.groups.append(group)
             taken += group
         return taken
+
+
+def settled_step(production_rewards: list[float], fresh_groups: int, settled_reward: float | None,
+                 scale: float) -> float:
+    """The share of the lr this version steps: `scale` when it trains no fresh rollout group
+    and its production samples' mean reward has reached `settled_reward` (what is left to
+    learn there is small, and each full step there takes some of the skill away), else 1."""
+    if settled_reward is None or fresh_groups or not production_rewards:
+        return 1.0
+    return scale if sum(production_rewards) / len(production_rewards) >= settled_reward else 1.0
 
 
 def as_if_sampled_now(trainer: Trainer, samples: list[RewardedSample]) -> list[RewardedSample]:

@@ -38,7 +38,7 @@ from prometheus_client import Counter, Gauge
 from pydantic import ValidationError
 
 from learner import distributed
-from learner.mix import ReplayBuffer
+from learner.mix import ReplayBuffer, settled_step
 from learner.trainer import Trainer, problem
 from liverl.contracts import DeadLetter, RewardedSample, Topics
 from liverl.faults import crash_point
@@ -382,9 +382,12 @@ class Learner:
         if self.config.kl_coef > 0 and self.config.kl_reference == "stable":
             self.trainer.use_reference(Path(self.stable().model_dir))
         started = time.time()
-        metrics = self.trainer.train((train or batch) + replayed, seed=self.current.seq)
+        step = settled_step([s.reward for s in self.pending.values()], len(chosen), self.config.settled_reward,
+                            self.config.settled_lr_scale)
+        metrics = self.trainer.train((train or batch) + replayed, seed=self.current.seq, lr_scale=step)
         crash_point("learner.after_train")
         metrics["replayed_samples"] = len(replayed)
+        metrics["lr_scale"] = step  # below 1: a settled version (learner/mix.py)
         metrics["train_seconds"] = time.time() - started
         metrics["tokens_per_second"] = metrics["tokens"] * self.config.epochs / max(metrics["train_seconds"], 1e-9)
         for sample in batch:  # each poison pill is dead-lettered once, counted in this version

@@ -312,8 +312,9 @@ class Trainer:
             return f"{sample.tenant}|{','.join(map(str, end))}"
         return sample.tenant
 
-    def train(self, samples: list[RewardedSample], seed: int = 0) -> dict:
-        """One version's worth of updates on `samples`; returns its metrics."""
+    def train(self, samples: list[RewardedSample], seed: int = 0, lr_scale: float = 1.0) -> dict:
+        """One version's worth of updates on `samples`, each step at `lr_scale` of the lr (a
+        settled version's: learner/mix.py); returns its metrics."""
         self.model.train()
         advantages = self.advantages(samples)
         # The parent: the proximal policy of a trust region around it, the KL's reference
@@ -329,6 +330,8 @@ class Trainer:
         steps: list[StepStats] = []
         failed: dict[int, str] = {}  # sample index -> why it could not be trained on
         order, rng = list(range(len(samples))), random.Random(seed)
+        lr = self.lr
+        self.lr = lr * lr_scale
         for epoch in range(self.config.epochs):
             rng.shuffle(order)
             for minibatch in version_minibatches(order, self.config.minibatch, self.config.max_steps_per_version):
@@ -336,11 +339,13 @@ class Trainer:
                     steps += self.step_or_skip(samples, advantages, minibatch, epoch, parent, reference, failed)
         shift = {} if watched is None or parent_watch is None else policy_shift(parent_watch, self.vocabulary(watched),
                                                         watched.completion_mask)
-        lr = self.lr
-        if self.config.target_kl is not None and "kl_from_parent" in shift:
+        self.lr = lr
+        # A smaller step's KL says nothing of what the full step would move: not adapted by it.
+        if self.config.target_kl is not None and "kl_from_parent" in shift and lr_scale == 1.0:
             self.lr = adapted_lr(lr, shift["kl_from_parent"], self.config.target_kl,
                                  self.config.lr_min, self.config.lr_max)
-        return {"samples": len(samples), "lr": lr, "mean_reward": sum(s.reward for s in samples) / len(samples),
+        return {"samples": len(samples), "lr": lr * lr_scale,
+                "mean_reward": sum(s.reward for s in samples) / len(samples),
                 **summarise(steps, self.config.router_replay), **advantage_stats(advantages), **shift,
                 # Samples that broke a step and were skipped: the service dead-letters them.
                 "untrainable": {samples[i].sample_id: why for i, why in failed.items()}}

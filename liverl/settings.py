@@ -386,6 +386,12 @@ class LearnerConfig(Config):
                                "samples trains again, less the fresh groups it takes (lending comes in troughs; "
                                "production alone trains away what rollouts taught: docs/learning.md); 0: none.")
     replay_buffer: int = Field(64, ge=1, description="Most recent trained rollout groups kept for replay_groups.")
+    settled_reward: float | None = Field(
+        None, description="Mean reward of a version's production samples from which production counts as "
+        "learned: a version without fresh rollout groups then steps settled_lr_scale of the lr, so what "
+        "production still teaches costs less of the skill rollouts taught (docs/learning.md); None: off.")
+    settled_lr_scale: float = Field(0.5, gt=0.0, le=1.0, description="A settled version's step, as a share of "
+                                    "the lr (the adaptive step size is not adapted by it).")
     group_timeout_s: float = Field(900.0, gt=0, description="A sized group (rollouts) still incomplete after "
                                    "this long is given up, its members counted as dropped, never half-trained.")
     max_lead_versions: int | None = Field(

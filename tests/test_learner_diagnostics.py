@@ -138,3 +138,26 @@ def test_a_kl_to_stable_pulls_a_drifted_policy_back_towards_it(starter_dir: Path
         moved[reference] = distance(trainer) - before
     assert moved["stable"] < 0
     assert moved["parent"] == 0
+
+
+def test_a_settled_version_steps_a_share_of_the_lr_and_leaves_the_adaptive_step_alone(starter_dir: Path):
+    samples = sampled(starter_dir, count=6)
+    config = LearnerConfig(minibatch=3, lr=1e-3, target_kl=1e-9, lr_min=1e-5, lr_max=1e-2)
+    full, settled = Trainer(starter_dir, config), Trainer(starter_dir, config)
+    full_metrics, settled_metrics = full.train(samples), settled.train(samples, lr_scale=0.1)
+    assert (full_metrics["lr"], settled_metrics["lr"]) == pytest.approx((1e-3, 1e-4))
+    # Adam moves every weight by about lr per step, so the KL goes about as lr squared.
+    assert settled_metrics["kl_from_parent"] < full_metrics["kl_from_parent"] / 10
+    # Both moved past the tiny target: the full step's lr is cut for the next version; the
+    # settled step's KL says nothing of the full step, so its lr stays the setting's.
+    assert (full.lr, settled.lr) == pytest.approx((1e-3 / 1.5, 1e-3))
+
+
+def test_production_counts_as_learned_from_its_mean_reward_in_versions_without_fresh_rollouts():
+    from learner.mix import settled_step
+
+    assert settled_step([1.0, 1.0, 0.0, 1.0, 1.0], fresh_groups=0, settled_reward=0.8, scale=0.5) == 0.5
+    assert settled_step([1.0, 0.0, 0.0, 1.0, 1.0], fresh_groups=0, settled_reward=0.8, scale=0.5) == 1.0  # 0.6
+    assert settled_step([1.0] * 5, fresh_groups=2, settled_reward=0.8, scale=0.5) == 1.0  # rollouts teach: full
+    assert settled_step([], fresh_groups=0, settled_reward=0.8, scale=0.5) == 1.0  # rollouts alone
+    assert settled_step([1.0] * 5, fresh_groups=0, settled_reward=None, scale=0.5) == 1.0  # off
