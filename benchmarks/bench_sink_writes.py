@@ -14,10 +14,18 @@ the sink's writes), then the
 sink stores `--batches` batches of `--batch` fresh feedback events, and as many batches of
 samples of which a tenth are revisions of stored samples (once the fill's merges are done);
 each batch's wall and CPU time (CPU: the process, chdb's threads included).
+
+With `--phases`, where a batch's CPU goes, per message of each topic a feedback event brings
+(its trajectory, the feedback, its sample; gateway-sized: 32 prompt tokens, 24 written with
+their logprobs): parsing into the contract and the row, the duplicate check, the JSON of the
+insert, and the insert itself (chdb, its materialized views included).
+
+    .venv/bin/python benchmarks/bench_sink_writes.py --phases
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import statistics
@@ -31,7 +39,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from feedback.sink import Sink
+from feedback.sink import TABLE_OF, Sink
 from feedback.warehouse import open_warehouse, query_json
 from liverl.contracts import FeedbackEvent, RequestRecord, RewardedSample, Topics, Trajectory
 from liverl.kafka import encode
@@ -118,6 +126,59 @@ def by_table_size(sizes: list[int], batch: int, batches: int, spread_s: int) -> 
         console.print(table)
 
 
+def event_messages(n: int) -> dict[str, list[bytes]]:
+    """n gateway-sized completions: each one's trajectory, feedback and rewarded sample."""
+    out: dict[str, list[bytes]] = {Topics.TRAJECTORIES: [], Topics.FEEDBACK: [], Topics.SAMPLES: []}
+    for _ in range(n):
+        cid = uuid.uuid4().hex
+        trajectory = Trajectory(event_id=cid, tenant="acme", completion_id=cid, policy_version="v1",
+                                timestamp=datetime.now(UTC), prompt_token_ids=list(range(32)),
+                                completion_token_ids=[1] * 24, completion_logprobs=[-1.0] * 24,
+                                prompt_text="x" * 120, completion_text="y" * 90)
+        out[Topics.TRAJECTORIES].append(encode(trajectory))
+        out[Topics.FEEDBACK].append(encode(FeedbackEvent.model_validate({
+            "event_id": uuid.uuid4().hex, "tenant": "acme", "timestamp": datetime.now(UTC),
+            "body": {"kind": "accept", "completion_id": cid}})))
+        out[Topics.SAMPLES].append(encode(RewardedSample(
+            sample_id=f"acme:{cid}", revision=0, event_id=f"acme:{cid}:r0", tenant="acme", reward=1.0,
+            reward_source="feedback", reward_fn_version="t", accepted=True, trajectory=trajectory)))
+    return out
+
+
+def by_phase(batch: int, batches: int) -> None:
+    """The steps of `Sink.store`, timed apart (CPU of the process, chdb's threads included)."""
+    phases = ("parse and row", "duplicate check", "insert's JSON", "insert (chdb)")
+    spent: dict[str, list[float]] = {}
+    with tempfile.TemporaryDirectory(dir=os.environ.get("LIVERL_BENCH_TMP")) as data_dir:
+        sink = Sink(open_warehouse(Settings(data_dir=Path(data_dir))))
+        for i in range(batches + 3):  # the first three warm the tables up, untimed
+            for topic, messages in event_messages(batch).items():
+                table_name, marks = TABLE_OF[topic], [time.process_time()]
+                rows = {}
+                for raw in messages:
+                    row = sink.to_row(topic, raw)
+                    rows.setdefault((row.get("tenant"), row["event_id"]), row)
+                marks.append(time.process_time())
+                fresh = sink._fresh(table_name, rows)
+                marks.append(time.process_time())
+                body = "\n".join(json.dumps(r, default=str) for r in fresh)
+                marks.append(time.process_time())
+                sink.warehouse.command(f"INSERT INTO {table_name} FORMAT JSONEachRow\n{body}")
+                marks.append(time.process_time())
+                if i >= 3:
+                    totals = spent.setdefault(table_name, [0.0] * len(phases))
+                    for k in range(len(phases)):
+                        totals[k] += marks[k + 1] - marks[k]
+        sink.warehouse.close()
+    table = Table(title=f"the sink's CPU per message, by step: {batches} batches of {batch} per topic")
+    for column in ("table", *phases, "all"):
+        table.add_column(column, justify="right")
+    for table_name, totals in spent.items():
+        per = [1e6 * t / (batch * batches) for t in totals]
+        table.add_row(table_name, *(f"{p:.1f} µs" for p in per), f"{sum(per):.1f} µs")
+    console.print(table)
+
+
 def main(messages: int = typer.Option(512, help="Messages stored for each write size."),
          stored_before: int = typer.Option(4000, help="Rows in the table before timing (duplicate checks read it)."),
          stored: list[int] = typer.Option([], help="Instead: rows stored before, one run per value."),
@@ -125,7 +186,10 @@ def main(messages: int = typer.Option(512, help="Messages stored for each write 
          batches: int = typer.Option(10, help="With --stored: batches timed per table."),
          spread_s: int = typer.Option(2_592_000, help="With --stored: the stored rows' times spread over this "
                                       "many seconds before now (a month; 1: all in one second, as the soak's load "
-                                      "stamps them).")) -> None:
+                                      "stamps them)."),
+         phases: bool = typer.Option(False, help="Instead: where a batch's CPU goes, by step.")) -> None:
+    if phases:
+        return by_phase(batch, batches)
     if stored:
         return by_table_size(stored, batch, batches, spread_s)
     table = Table(title=f"sink writes on embedded ClickHouse: {messages} messages per size, "
