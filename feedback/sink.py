@@ -210,6 +210,20 @@ class Sink:
 
     def store(self, topic: str, messages: list[bytes]) -> None:
         table = TABLE_OF[topic]
+        rows = self.parsed(topic, messages)
+        if not rows:
+            return
+        fresh = self._fresh(table, rows)
+        if fresh:
+            self.warehouse.insert(table, fresh)
+            WRITES.labels(table).inc()
+        ROWS.labels(table, "stored").inc(len(fresh))
+        ROWS.labels(table, "duplicate").inc(len(messages) - len(fresh))
+
+    def parsed(self, topic: str, messages: list[bytes]) -> dict[tuple[str | None, str], dict]:
+        """Each message's row by (tenant, event id), the first of repeats; one that does not
+        parse is dead-lettered here."""
+        table = TABLE_OF[topic]
         rows: dict[tuple[str | None, str], dict] = {}
         for raw in messages:
             try:
@@ -223,14 +237,7 @@ class Sink:
                 ROWS.labels(table, "malformed").inc()
                 continue
             rows.setdefault((row.get("tenant"), row["event_id"]), row)
-        if not rows:
-            return
-        fresh = self._fresh(table, rows)
-        if fresh:
-            self.warehouse.insert(table, fresh)
-            WRITES.labels(table).inc()
-        ROWS.labels(table, "stored").inc(len(fresh))
-        ROWS.labels(table, "duplicate").inc(len(messages) - len(fresh))
+        return rows
 
 
 async def consume(settings: Settings, sink: Sink, stop: asyncio.Event) -> None:
