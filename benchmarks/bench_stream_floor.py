@@ -9,15 +9,17 @@ other, and reports each one's CPU-seconds (all its threads, librdkafka's too) fr
 message to its last, as feedback events per CPU-second (N over that CPU time, the unit of
 bench_stream.py's target):
 
-- `faust`: a faust agent over both topics, taking them in batches as the stream's worker does
-  (`take_events`, the worker's batch size and buffer), acking each batch, nothing else;
 - `librdkafka`: a confluent-kafka consumer in a group, `consume()` in batches of the same size,
   reading each message's topic, value, partition, offset and timestamp;
 - `aiokafka`: the analytics sink's reader (`feedback/sink.py: gather`, an aiokafka consumer
   in batches of up to 5,000 within the warehouse's batch_s), nothing else;
 - `librdkafka+join`: the same as `librdkafka`, each batch through `FeedbackJoin.process` and its samples and
   changed states produced through librdkafka and flushed, as the worker's `send` does (the
-  worker's work without faust, less its table recovery and commits).
+  worker's work, less its table recovery and commits).
+
+Until Nov 29 it also read with faust, the stream's framework then (`take_events` batches):
+6,299 feedback events per CPU-second (docs/benchmarks.md). That reader left with the
+dependency.
 """
 
 from __future__ import annotations
@@ -43,41 +45,15 @@ from rich.table import Table
 from liverl.kafka import ensure_topics
 from liverl.settings import EmbeddedBroker, PortsConfig, Settings, get_settings
 
-READERS = ("faust", "aiokafka", "librdkafka", "librdkafka+join")
+READERS = ("aiokafka", "librdkafka", "librdkafka+join")
 EVERY_READER = list(READERS)
 
 
 def report(result: Path, first_cpu: float, messages: int, events: int) -> None:
-    """Written to a file: faust takes over the worker's standard output."""
+    """Written to a file, which the parent reads (its standard output is the table's)."""
     cpu_s = time.process_time() - first_cpu
     result.write_text(json.dumps({"cpu_s": cpu_s, "messages": messages, "per_core": events / cpu_s}))
     os._exit(0)
-
-
-def read_with_faust(bootstrap: str, events: int, web_port: int, result: Path) -> None:
-    import faust
-
-    from liverl.contracts import Topics
-
-    batch_events, batch_s = get_settings().feedback.batch_events, get_settings().feedback.batch_s
-    app = faust.App(f"floor-{uuid.uuid4().hex[:8]}", broker=f"kafka://{bootstrap}", store="memory://",
-                    consumer_auto_offset_reset="earliest", stream_buffer_maxsize=2 * batch_events)
-    topic = app.topic(Topics.TRAJECTORIES, Topics.FEEDBACK, key_serializer="raw", value_serializer="raw")
-    seen = {"messages": 0, "first": 0.0}
-
-    @app.agent(topic)
-    async def read(stream: Any) -> None:
-        async for batch in stream.take_events(batch_events, within=batch_s):
-            if not seen["messages"]:
-                seen["first"] = time.process_time()
-            for event in batch:
-                _ = (event.message.tp, event.message.offset, event.message.timestamp, event.value)
-            seen["messages"] += len(batch)
-            if seen["messages"] >= 2 * events:
-                report(result, seen["first"], seen["messages"], events)
-
-    sys.argv = [sys.argv[0], "worker", "-l", "warn", "--web-port", str(web_port)]
-    app.main()
 
 
 def read_with_aiokafka(bootstrap: str, events: int, result: Path) -> None:
@@ -180,7 +156,7 @@ def main(events: int = typer.Option(100_000, help="Feedback events in the backlo
          lag: int = typer.Option(5000, help="How many completions behind its trajectory each feedback comes."),
          runs: int = typer.Option(1, help="Runs, each on a fresh broker."),
          port_offset: int = typer.Option(0, help="Added to the broker's and the readers' default ports."),
-         reader: list[str] = typer.Option(EVERY_READER, help="Readers to run: faust, aiokafka, librdkafka, "
+         reader: list[str] = typer.Option(EVERY_READER, help="Readers to run: aiokafka, librdkafka, "
                                           "librdkafka+join."),
          bootstrap: str = typer.Option("", hidden=True, help="Set: be that reader on this broker (internal)."),
          result: Path = typer.Option(Path("floor.json"), hidden=True, help="Where that reader writes (internal)."),
@@ -188,8 +164,6 @@ def main(events: int = typer.Option(100_000, help="Feedback events in the backlo
     # As the stream's worker: its table's small objects would otherwise keep the collector busy.
     gc.set_threshold(100_000, 50, 100)
     if bootstrap:
-        if reader[0] == "faust":
-            read_with_faust(bootstrap, events, 18170 + port_offset, result)
         if reader[0] == "aiokafka":
             read_with_aiokafka(bootstrap, events, result)
         read_with_librdkafka(bootstrap, events, reader[0] == "librdkafka+join", result)
