@@ -141,6 +141,16 @@ def adapted_lr(lr: float, kl: float, target_kl: float, lr_min: float, lr_max: fl
     return min(max(lr, lr_min), lr_max)
 
 
+def backtracked(kl: float | None, max_kl: float | None, backtracks: int, most: int) -> bool:
+    """Undo the version and step again from its parent at half the lr? TRPO's line search
+    (Schulman et al. 2015, appendix C: the step shrinks until the KL constraint holds), on
+    the step size, for a version whose KL from its parent passed `max_kl`, at most `most`
+    times. The adaptive step size acts only on the next version and PPO's clip only on each
+    token's ratio: neither stops one version's handful of Adam steps from moving the policy
+    0.6-2 nats a token (the day of Nov 29: such versions took the coding skill at once)."""
+    return kl is not None and max_kl is not None and kl > max_kl and backtracks < most
+
+
 def advantage_stats(advantages: torch.Tensor) -> dict[str, float]:
     """What a batch's advantages look like: a std near 0 or most of them 0 means the
     batch teaches little (groups whose rewards are all equal); a large max, that a few

@@ -6,6 +6,7 @@ consecutive versions differ only where a bf16 value actually changed.
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 from collections.abc import Iterator
@@ -42,6 +43,7 @@ from learner.rl import (
     RunningBaseline,
     adapted_lr,
     advantage_stats,
+    backtracked,
     entropy_bonus,
     group_advantages,
     policy_gradient_loss,
@@ -327,28 +329,52 @@ class Trainer:
             raise ValueError("kl_reference=stable: no reference weights (Trainer.use_reference)")
         # The first minibatch's samples, to see how far the version moves from its parent.
         watched, parent_watch = self.watch(samples[: self.config.minibatch])
+        adam = copy.deepcopy(self.optimizer.state_dict()) if self.config.max_kl_from_parent is not None else None
+        lr, step_lr, backtracks = self.lr, self.lr * lr_scale, 0
+        steps, failed, shift = self.steps(samples, advantages, seed, step_lr, parent, reference, watched, parent_watch)
+        full_step_kl = shift.get("kl_from_parent")
+        while adam is not None and backtracked(shift.get("kl_from_parent"), self.config.max_kl_from_parent,
+                                               backtracks, self.config.kl_backtracks):
+            self.restore(self.parent, adam)  # the step ran past the trust region: from the parent, half of it
+            step_lr, backtracks = step_lr / 2, backtracks + 1
+            steps, failed, shift = self.steps(samples, advantages, seed, step_lr, parent, reference, watched,
+                                              parent_watch)
+        self.lr = lr
+        # A smaller step's KL says nothing of what the full step would move: not adapted by it
+        # (a backtracked version's full step is its first).
+        if self.config.target_kl is not None and full_step_kl is not None and lr_scale == 1.0:
+            self.lr = adapted_lr(lr, full_step_kl, self.config.target_kl, self.config.lr_min, self.config.lr_max)
+        return {"samples": len(samples), "lr": step_lr, "backtracks": backtracks,
+                "mean_reward": sum(s.reward for s in samples) / len(samples),
+                **summarise(steps, self.config.router_replay), **advantage_stats(advantages), **shift,
+                # Samples that broke a step and were skipped: the service dead-letters them.
+                "untrainable": {samples[i].sample_id: why for i, why in failed.items()}}
+
+    def steps(self, samples: list[RewardedSample], advantages: torch.Tensor, seed: int, lr: float,
+              parent: dict | None, reference: dict | None, watched: Batch | None,
+              parent_watch: torch.Tensor | None) -> tuple[list[StepStats], dict[int, str], dict[str, float]]:
+        """A version's gradient steps at `lr` (`epochs` passes over `samples` in minibatches), the
+        samples that broke a step, and how far the steps moved the policy (`policy_shift`)."""
         steps: list[StepStats] = []
         failed: dict[int, str] = {}  # sample index -> why it could not be trained on
         order, rng = list(range(len(samples))), random.Random(seed)
-        lr = self.lr
-        self.lr = lr * lr_scale
+        self.lr = lr
         for epoch in range(self.config.epochs):
             rng.shuffle(order)
             for minibatch in version_minibatches(order, self.config.minibatch, self.config.max_steps_per_version):
                 if minibatch := [i for i in minibatch if i not in failed]:
                     steps += self.step_or_skip(samples, advantages, minibatch, epoch, parent, reference, failed)
-        shift = {} if watched is None or parent_watch is None else policy_shift(parent_watch, self.vocabulary(watched),
-                                                        watched.completion_mask)
-        self.lr = lr
-        # A smaller step's KL says nothing of what the full step would move: not adapted by it.
-        if self.config.target_kl is not None and "kl_from_parent" in shift and lr_scale == 1.0:
-            self.lr = adapted_lr(lr, shift["kl_from_parent"], self.config.target_kl,
-                                 self.config.lr_min, self.config.lr_max)
-        return {"samples": len(samples), "lr": lr * lr_scale,
-                "mean_reward": sum(s.reward for s in samples) / len(samples),
-                **summarise(steps, self.config.router_replay), **advantage_stats(advantages), **shift,
-                # Samples that broke a step and were skipped: the service dead-letters them.
-                "untrainable": {samples[i].sample_id: why for i, why in failed.items()}}
+        shift = {} if watched is None or parent_watch is None else policy_shift(
+            parent_watch, self.vocabulary(watched), watched.completion_mask)
+        return steps, failed, shift
+
+    def restore(self, weights: dict[str, torch.Tensor], adam: dict) -> None:
+        """The trained weights and Adam's state as they were (`snapshot`, the optimizer's state dict)."""
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                if name in weights:
+                    p.copy_(weights[name])
+        self.optimizer.load_state_dict(copy.deepcopy(adam))  # loading aliases its tensors: kept for the next
 
     @property
     def around_parent(self) -> bool:

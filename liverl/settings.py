@@ -432,6 +432,11 @@ class LearnerConfig(Config):
                                     "is multiplied by 1.5 when its KL from its parent was under half this, "
                                     "divided by 1.5 when over twice this (`learner/rl.py: adapted_lr`); "
                                     "None: the lr stays fixed.")
+    max_kl_from_parent: float | None = Field(
+        None, gt=0.0, description="A version whose KL from its parent passes this is undone and trained again "
+        "from its parent at half the lr, up to kl_backtracks times (`learner/rl.py: backtracked`, TRPO's line "
+        "search); None: no limit.")
+    kl_backtracks: int = Field(3, ge=1, description="Most times one version is trained again at half the lr.")
     lr_min: float = Field(1e-5, gt=0.0, le=1.0, description="Smallest lr the adaptive step size goes to.")
     lr_max: float = Field(1e-3, gt=0.0, le=1.0, description="Largest lr the adaptive step size goes to.")
     lora: LoraConfig | None = Field(None, description="Train low-rank adapters on a frozen base instead of "

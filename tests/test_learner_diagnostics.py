@@ -161,3 +161,25 @@ def test_production_counts_as_learned_from_its_mean_reward_in_versions_without_f
     assert settled_step([1.0] * 5, fresh_groups=2, settled_reward=0.8, scale=0.5) == 1.0  # rollouts teach: full
     assert settled_step([], fresh_groups=0, settled_reward=0.8, scale=0.5) == 1.0  # rollouts alone
     assert settled_step([1.0] * 5, fresh_groups=0, settled_reward=None, scale=0.5) == 1.0  # off
+
+
+def test_a_version_that_ran_past_the_kl_limit_is_trained_again_from_its_parent_at_half_the_lr(starter_dir: Path):
+    """TRPO's line search on the step size (`learner.max_kl_from_parent`): a version whose
+    full step moved the policy past the limit is undone, weights and Adam state, and trained
+    again from its parent at half the lr, until it holds or `kl_backtracks` ran out."""
+    samples = sampled(starter_dir, count=6)
+    config = LearnerConfig(minibatch=3, lr=1e-3)
+    unlimited = Trainer(starter_dir, config).train(samples)
+    limit = unlimited["kl_from_parent"] / 3  # the full step runs past it; a quarter step does not (KL ~ lr^2)
+    limited = Trainer(starter_dir, config.model_copy(update={"max_kl_from_parent": limit, "kl_backtracks": 4}))
+    metrics = limited.train(samples)
+    assert 1 <= metrics["backtracks"] <= 2 and metrics["lr"] == pytest.approx(1e-3 / 2 ** metrics["backtracks"])
+    assert metrics["kl_from_parent"] <= limit
+    # Undone means undone: the same steps at that lr from a fresh start land on the same weights.
+    same_lr = Trainer(starter_dir, config.model_copy(update={"lr": metrics["lr"]}))
+    assert same_lr.train(samples)["kl_from_parent"] == pytest.approx(metrics["kl_from_parent"], rel=1e-4)
+    steps_taken = [int(t.optimizer.state[t.trainable[0]]["step"]) for t in (limited, same_lr)]
+    assert steps_taken[0] == steps_taken[1]  # Adam's state too: not the undone steps on top
+    # Out of backtracks: the last try is kept and says so.
+    stubborn = Trainer(starter_dir, config.model_copy(update={"max_kl_from_parent": 1e-12, "kl_backtracks": 1}))
+    assert stubborn.train(samples)["backtracks"] == 1
