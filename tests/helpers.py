@@ -71,12 +71,17 @@ def learner_consuming(settings) -> dict | None:
     return health if health and health["partitions"] else None
 
 
+def controller_health(settings) -> dict:
+    """The promotion controller's /health: what it did at its last look."""
+    return httpx.get(settings.url(settings.ports.controller) + "/health", timeout=5).json()
+
+
 def controller_idle(settings) -> bool:
     """No promotion in flight: the controller has no canary and nothing to take. Its
     /health tells what it did at its last poll; a candidate the learner published since
     (a pause answers after the step in flight is published) is in the registry only."""
     try:
-        health = httpx.get(settings.url(settings.ports.controller) + "/health", timeout=5).json()
+        health = controller_health(settings)
     except httpx.TransportError:
         return False
     registry = Registry(settings.policies_dir)

@@ -13,25 +13,27 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
+import contextlib
 import io
 import json
 import re
 import shutil
 import threading
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 import torch
-from helpers import item, wait_for
+from helpers import controller_health, item, wait_for
 
 from learner import router_replay
 from learner.trainer import Trainer, collate
 from liverl.contracts import RewardedSample, RoutedExperts, Topics
 from liverl.kafka import read_topic
-from liverl.pool import Replica, edit_pool
+from liverl.pool import Replica, edit_pool, read_pool, replica_lock
 from liverl.settings import LearnerConfig, Settings
 from policies.registry import Registry
 from serving.swap import VerificationFailed, verify
@@ -122,19 +124,31 @@ def preemptions(url: str) -> float:
                                re.M).group(1))
 
 
-def only_replica(settings: Settings, replica: Replica):
-    """While the block runs, general traffic goes to `replica` alone."""
-    with edit_pool(settings) as pool:
-        others = [r.name for r in pool.general if r.enabled]
-        pool.replicas = [r.model_copy(update={"enabled": False}) if r.name in others else r
-                         for r in pool.replicas] + [replica]
-    return others
-
-
-def restore(settings: Settings, replica: Replica, others: list[str]) -> None:
-    with edit_pool(settings) as pool:
-        pool.replicas = [r.model_copy(update={"enabled": True}) if r.name in others else r
-                         for r in pool.replicas if r.name != replica.name]
+@contextlib.contextmanager
+def only_replica(settings: Settings, replica: Replica) -> Iterator[None]:
+    """While the block runs, general traffic goes to `replica` alone, and the controller
+    leaves the pool as the test set it: stable is pinned (or its `serve_stable_everywhere`
+    swaps `replica`, which serves the starter, onto stable: CI, Nov 29), and the replicas
+    taken out are locked, as a swap under way holds them (or its `restore_abandoned` puts
+    them back in rotation)."""
+    registry = Registry(settings.policies_dir)
+    registry.pin("stable", "test", "the router-capture test owns the replicas")
+    with contextlib.ExitStack() as held:
+        others = [r.name for r in read_pool(settings).general if r.enabled]
+        for name in others:
+            held.enter_context(replica_lock(settings, name))
+        try:
+            # A look of the controller's that began before the pin has ended.
+            wait_for(lambda: controller_health(settings)["state"].startswith("stable pinned"), timeout=120)
+            with edit_pool(settings) as pool:
+                pool.replicas = [r.model_copy(update={"enabled": False}) if r.name in others else r
+                                 for r in pool.replicas] + [replica]
+            yield
+        finally:
+            with edit_pool(settings) as pool:
+                pool.replicas = [r.model_copy(update={"enabled": True}) if r.name in others else r
+                                 for r in pool.replicas if r.name != replica.name]
+            registry.pin("stable", "test", "the router-capture test is done with the replicas", pinned=False)
 
 
 def learner_step(model_dir: Path, samples: list[RewardedSample]):
@@ -160,8 +174,7 @@ def test_the_learner_trains_through_the_experts_a_bf16_replica_routed_to(setting
                             json={"prompt": PREFIX + "    pass", "max_tokens": 4, "stream": True})
     assert plain.status_code == 200 and "[DONE]" in plain.text
     assert "routed_experts" not in plain.text  # a client that did not ask sees plain OpenAI chunks
-    others = only_replica(settings, bf16_replica)
-    try:
+    with only_replica(settings, bf16_replica):
         first = complete(settings, key, PREFIX + SUFFIXES[0])  # computes the prefix's blocks
 
         def burst() -> list[dict]:
@@ -181,8 +194,6 @@ def test_the_learner_trains_through_the_experts_a_bf16_replica_routed_to(setting
             answers += burst()
             if preemptions(bf16_replica.url) > 0:
                 break
-    finally:
-        restore(settings, bf16_replica, others)
     # The swap's probe holds a bf16 replica of the right weights to the 16-bit tolerance, which
     # passes it, not fp32's, which it reads about 500x over (docs/benchmarks.md).
     assert verify(bf16_replica.url, starter, settings.learner.probe_tolerance_for("bfloat16")) > 0
