@@ -621,8 +621,14 @@ class CapacityConfig(Config):
     retry_s: float = Field(10.0, gt=0, description="After a take-back whose swap back to stable failed (the "
                            "replica stays out of production), or a lent replica's staging of stable, how "
                            "long before it is tried again.")
-    refresh_s: float = Field(30.0, gt=0, description="How often a lent replica moves to the learner's newest "
-                             "version, so rollouts stay on-policy.")
+    refresh: Literal["timer", "between_groups"] = Field("timer", description="How a lent replica follows the "
+                                                       "learner's newest version: `timer`, every refresh_s, its "
+                                                       "groups still running after serving.swap_drain_s cut; "
+                                                       "`between_groups`, no group starts there once a newer "
+                                                       "version exists and it moves when its last one ends "
+                                                       "(each version's groups sampled from its parent, none cut).")
+    refresh_s: float = Field(30.0, gt=0, description="With refresh=timer: how often a lent replica moves to the "
+                             "learner's newest version, so rollouts stay on-policy.")
 
     @model_validator(mode="after")
     def _hysteresis(self):

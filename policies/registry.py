@@ -249,6 +249,12 @@ class Registry:
             return self.get(rewind.version)
         return latest
 
+    def rollout_version(self) -> PolicyVersion:
+        """The version rollouts sample from: the learner's head, or stable before its first."""
+        version = self.head() or self.stable()
+        assert version is not None, "the registry holds the starter at least"
+        return version
+
     def history(self, version: str | None = None) -> list[dict]:
         query = "SELECT version, at, from_state, to_state, actor, reason FROM events"
         rows = self.db.execute(query + (" WHERE version = ?" if version else "") + " ORDER BY id",

@@ -9,11 +9,15 @@ id, `group_size` G, behaviour logprobs) to the trajectories topic, as the gatewa
 and each score as a `rollout_score` outcome on the feedback topic; the stream joins them
 and the learner trains the group whole. A request cut by a take-back (the replica's
 requests are aborted) publishes nothing: the group is counted as cut, never half-scored.
+With `capacity.refresh = between_groups` it starts no group on a replica behind the
+learner's newest version: the capacity scheduler moves the replica once its last group
+ends, so each version's groups are sampled from its parent.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 import signal
 from collections import Counter as Tally
@@ -42,6 +46,7 @@ from liverl.kafka import encode, make_producer
 from liverl.observability import log, setup_logging
 from liverl.pool import SERVED_MODEL_NAME, Replica, read_pool, replica_async_client
 from liverl.settings import Settings, get_settings
+from policies.registry import Registry
 from rollouts.environment import Environment, MultiTurnEnvironment, Task, configured_environment
 from rollouts.episode import Cut, Misconfigured, frame, play
 
@@ -84,6 +89,16 @@ class RolloutWorker:
         return {"model": SERVED_MODEL_NAME, "prompt": task.prompt, "n": self.config.group_size,
                 "max_tokens": self.config.max_tokens, "temperature": self.config.temperature,
                 "logprobs": 0, "return_token_ids": True, "stop": list(task.stop) or None}
+
+    @functools.cached_property
+    def registry(self) -> Registry:
+        return Registry(self.settings.policies_dir)
+
+    def behind_the_learner(self, replica: Replica) -> bool:
+        """With `capacity.refresh = between_groups`: the learner has a version newer than the
+        one `replica` serves, so no group starts there until the scheduler moves it."""
+        return (self.settings.capacity.refresh == "between_groups"
+                and self.registry.rollout_version().version != replica.policy_version)
 
     def still_lent(self, replica: Replica) -> bool:
         """`replica` is still lent to rollouts, enabled, on the version the group started on."""
@@ -196,9 +211,9 @@ class RolloutWorker:
                         break
                     client = clients.setdefault(replica.url, replica_async_client(
                         replica.url, self.settings.serving.request_timeout_s))
+                    wanted = 0 if self.behind_the_learner(replica) else self.config.groups_in_flight - len(active)
                     running[replica.name] = active + [
-                        asyncio.create_task(self.run_group(producer, client, replica))
-                        for _ in range(self.config.groups_in_flight - len(active))]
+                        asyncio.create_task(self.run_group(producer, client, replica)) for _ in range(wanted)]
                 await asyncio.sleep(0.1)
         finally:
             await asyncio.gather(*(t for tasks in running.values() for t in tasks), return_exceptions=True)

@@ -24,6 +24,11 @@ flight per replica and waiting for one, and completion tokens answered per secon
   serves (`ReplicaSync.keep`), restaged in the background when stable changes during
   the lend.
 
+- Refresh: a lent replica follows the learner's newest version, so rollouts stay
+  on-policy. `capacity.refresh = timer` moves it every `refresh_s`, cutting the groups
+  still running after the drain; `between_groups` moves it as soon as its last group ends,
+  since the rollout worker starts none on a replica behind the learner.
+
 The waits inside a lend or a refresh (in-flight requests finishing, up to
 `serving.swap_drain_s`) keep reading the load: production returning ends them at once,
 the lend is given up and a refreshing replica taken straight back, not swapped first.
@@ -54,7 +59,7 @@ from liverl.keys import KeyRecord, require_admin
 from liverl.lending import hold_lending, lending_state, read_pause, record_event
 from liverl.load import GatewayLoad, read_gateway_load
 from liverl.observability import log, setup_logging
-from liverl.pool import ROLLOUT, Pool, edit_pool, read_pool, replica_client, replica_lock, set_replica
+from liverl.pool import ROLLOUT, Pool, Replica, edit_pool, read_pool, replica_client, replica_lock, set_replica
 from liverl.process import serve_beside
 from liverl.settings import CapacityConfig, Settings, get_settings
 from policies.registry import PolicyVersion, Registry
@@ -133,6 +138,7 @@ class Scheduler:
         self.registry = Registry(settings.policies_dir)
         self.rules = Hysteresis(self.config)
         self.refreshed: dict[str, float] = {}
+        self.staged_ahead: dict[str, str] = {}  # lent replica -> the version staged for its next move
         self.retry_at: dict[str, float] = {}  # replica -> when a failed take-back may be tried again
         # A replica's stagings share its work directory: one at a time (swaps and keeping stable).
         self.staging = threading.Lock()
@@ -162,9 +168,7 @@ class Scheduler:
 
     def rollout_version(self) -> PolicyVersion:
         """The learner's newest version (its chain's head), which rollouts sample from."""
-        version = self.registry.head() or self.registry.stable()
-        assert version is not None, "the registry holds the starter at least"
-        return version
+        return self.registry.rollout_version()
 
     def stable_version(self) -> str:
         """Stable's name in the registry (a version leaves stable only for another)."""
@@ -293,8 +297,9 @@ class Scheduler:
                     retry_in_s=self.config.retry_s)
 
     def refresh(self) -> Decision | None:
-        """Lent replicas follow the learner's newest version every `refresh_s`; a take-back
-        instead if production returns while a replica finishes its groups."""
+        """Lent replicas follow the learner's newest version (`capacity.refresh`: every
+        `refresh_s`, or between groups); a take-back instead if production returns while a
+        replica finishes its groups."""
         newest = self.rollout_version()
         lent = read_pool(self.settings).lent
         if lent and (self.keeping is None or self.keeping.done()):
@@ -304,9 +309,11 @@ class Scheduler:
 
             self.keeping = self.keeper.submit(keep_lent)
         for replica in lent:
-            if (replica.enabled  # disabled: being taken back (its swap back failed), never re-lent here
-                    and replica.policy_version != newest.version
-                    and time.time() - self.refreshed.get(replica.name, 0) >= self.config.refresh_s):
+            if not replica.enabled or replica.policy_version == newest.version:  # disabled: being taken back
+                continue
+            if self.config.refresh == "between_groups":
+                self.move_between_groups(replica, newest)
+            elif time.time() - self.refreshed.get(replica.name, 0) >= self.config.refresh_s:
                 # A group is sampled on one version: no new group starts, those running finish
                 # (up to swap_drain_s) and the rest are aborted (cut), so none runs on under the
                 # new weights with the old version's label.
@@ -320,6 +327,23 @@ class Scheduler:
                 set_replica(self.settings, replica.name, enabled=True)
                 self.refreshed[replica.name] = time.time()
         return None
+
+    def move_between_groups(self, replica: Replica, newest: PolicyVersion) -> None:
+        """The rollout worker starts no group on a replica behind the learner
+        (`capacity.refresh = between_groups`): stage the newest version while its last
+        groups finish, and swap once none runs, so no group is cut."""
+        if self.staged_ahead.get(replica.name) != newest.version:
+            self.stage_ahead(replica.name, newest)
+            self.staged_ahead[replica.name] = newest.version
+        try:
+            if in_flight(replica.url) > 0:
+                return
+        except httpx.HTTPError:  # an engine that does not answer: looked at again at the next poll
+            return
+        set_replica(self.settings, replica.name, enabled=False)
+        self.move(replica.name, newest)
+        set_replica(self.settings, replica.name, enabled=True)
+        self.refreshed[replica.name] = time.time()
 
     def event(self, action: Literal["lend", "take_back"], decision: Decision, version: str, seconds: float,
               error: str | None, aborted: int | None = None, steps: dict[str, float] | None = None) -> CapacityEvent:

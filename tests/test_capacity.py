@@ -428,6 +428,59 @@ def test_a_refresh_changes_the_weights_only_once_no_rollout_request_runs(monkeyp
     assert steps == ["disable", "drain", "abort", "swap to v5", "enable"]
 
 
+def test_a_refresh_between_groups_waits_for_the_lent_replicas_groups_and_cuts_none(monkeypatch):
+    # capacity.refresh = between_groups: the worker starts no group on a replica behind the
+    # learner (its test is below), and the scheduler stages the newest version while the last
+    # groups run, then swaps once none does: no drain to a deadline, no abort.
+    scheduler = Scheduler.__new__(Scheduler)
+    scheduler.config = CONFIG.model_copy(update={"refresh": "between_groups", "refresh_s": 3600.0})
+    scheduler.refreshed, scheduler.staged_ahead = {}, {}
+    scheduler.settings = SimpleNamespace(serving=SimpleNamespace(swap_drain_s=5.0),
+                                         sync=SimpleNamespace(transport="full"))
+    scheduler.keeping = SimpleNamespace(done=lambda: False)
+    monkeypatch.setattr(Scheduler, "rollout_version", lambda self: SimpleNamespace(version="v5"))
+    monkeypatch.setattr("serving.capacity.read_pool", lambda settings: pool(lent=1))
+    running = iter([2, 1, 0])  # the replica's requests at each look: its last groups end
+    monkeypatch.setattr("serving.capacity.in_flight", lambda url: next(running))
+    steps = []
+    monkeypatch.setattr(Scheduler, "stage_ahead", lambda self, name, version: steps.append(f"stage {version.version}"))
+    monkeypatch.setattr("serving.capacity.set_replica", lambda settings, name, **changes: steps.append(
+        "enable" if changes["enabled"] else "disable"))
+    monkeypatch.setattr(Scheduler, "drain", lambda self, url: steps.append("drain") or True)
+    monkeypatch.setattr("serving.capacity.abort_rollouts", lambda url: steps.append("abort"))
+    monkeypatch.setattr(Scheduler, "move", lambda self, name, version, enable=True: steps.append(
+        f"swap to {version.version}"))
+    assert scheduler.refresh() is None and scheduler.refresh() is None
+    assert steps == ["stage v5"]  # staged once, while two groups and then one still ran
+    assert scheduler.refresh() is None
+    assert steps == ["stage v5", "disable", "swap to v5", "enable"]  # refresh_s (an hour) is not waited for
+
+
+def test_the_worker_starts_no_group_on_a_replica_behind_the_learner():
+    lent = Replica(name="r0", url="http://x", policy_version="v4", model_dir="/m", alias=ROLLOUT)
+    worker = RolloutWorker(Settings(capacity=CapacityConfig(refresh="between_groups")),
+                           environment=SimpleNamespace(tasks=lambda split, rng: iter(())))
+    newest = SimpleNamespace(version="v5")
+    worker.registry = SimpleNamespace(rollout_version=lambda: newest)
+    started = []
+
+    async def run_group(producer, client, replica):  # a group that ends at once
+        started.append(replica.policy_version)
+
+    async def run_for(seconds: float) -> None:
+        stop = asyncio.Event()
+        asyncio.get_running_loop().call_later(seconds, stop.set)
+        await worker.run(None, stop)
+    worker.run_group = run_group
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("rollouts.worker.lent_replicas", lambda settings: [lent])
+        asyncio.run(run_for(0.5))
+        assert started == []  # the learner has v5: the replica waits for the scheduler to move it
+        newest.version = "v4"  # moved (or the learner not ahead)
+        asyncio.run(run_for(0.5))
+    assert len(started) >= worker.config.groups_in_flight and set(started) == {"v4"}
+
+
 def test_a_refresh_gives_way_at_once_when_production_returns_during_its_drain(monkeypatch, tmp_path):
     # A refresh waits up to swap_drain_s (5 s) for running groups: a peak that arrived
     # meanwhile waited for the drain and the swap, past the take-back bound. Now the drain
