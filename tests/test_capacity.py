@@ -406,43 +406,19 @@ def test_a_replica_on_its_way_back_is_never_open_to_rollouts(monkeypatch, tmp_pa
         assert error is None and back.enabled and back.alias is None and back.policy_version == "v3"
 
 
-def test_a_refresh_changes_the_weights_only_once_no_rollout_request_runs(monkeypatch):
-    # vLLM's side is faked (its drain, abort and swap are the stack test's): what is tested is
-    # the order, since a request still running when the weights change would finish its group
-    # on the new version under the old version's label.
+def refreshing(monkeypatch, config: CapacityConfig) -> tuple[Scheduler, list[str]]:
+    """A scheduler with one lent replica on v3 and the learner at v5, and the steps its
+    refreshes take. vLLM's side is faked (its drain, abort and swap are the stack test's):
+    what is tested is the order, since a request still running when the weights change
+    would finish its group on the new version under the old version's label."""
     scheduler = Scheduler.__new__(Scheduler)
-    scheduler.config, scheduler.refreshed = CONFIG.model_copy(update={"refresh_s": 0.0}), {}
+    scheduler.config, scheduler.refreshed, scheduler.staged_ahead = config, {}, {}
     scheduler.settings = SimpleNamespace(serving=SimpleNamespace(swap_drain_s=5.0),
                                          sync=SimpleNamespace(transport="full"))
     scheduler.keeping = SimpleNamespace(done=lambda: False)  # stable is being kept staged already
     monkeypatch.setattr(Scheduler, "rollout_version", lambda self: SimpleNamespace(version="v5"))
     monkeypatch.setattr("serving.capacity.read_pool", lambda settings: pool(lent=1))
-    steps = []
-    monkeypatch.setattr("serving.capacity.set_replica", lambda settings, name, **changes: steps.append(
-        "enable" if changes["enabled"] else "disable"))
-    monkeypatch.setattr(Scheduler, "drain", lambda self, url: steps.append("drain") or True)
-    monkeypatch.setattr("serving.capacity.abort_rollouts", lambda url: steps.append("abort"))
-    monkeypatch.setattr(Scheduler, "move", lambda self, name, version, enable=True: steps.append(
-        f"swap to {version.version}"))
-    assert scheduler.refresh() is None
-    assert steps == ["disable", "drain", "abort", "swap to v5", "enable"]
-
-
-def test_a_refresh_between_groups_waits_for_the_lent_replicas_groups_and_cuts_none(monkeypatch):
-    # capacity.refresh = between_groups: the worker starts no group on a replica behind the
-    # learner (its test is below), and the scheduler stages the newest version while the last
-    # groups run, then swaps once none does: no drain to a deadline, no abort.
-    scheduler = Scheduler.__new__(Scheduler)
-    scheduler.config = CONFIG.model_copy(update={"refresh": "between_groups", "refresh_s": 3600.0})
-    scheduler.refreshed, scheduler.staged_ahead = {}, {}
-    scheduler.settings = SimpleNamespace(serving=SimpleNamespace(swap_drain_s=5.0),
-                                         sync=SimpleNamespace(transport="full"))
-    scheduler.keeping = SimpleNamespace(done=lambda: False)
-    monkeypatch.setattr(Scheduler, "rollout_version", lambda self: SimpleNamespace(version="v5"))
-    monkeypatch.setattr("serving.capacity.read_pool", lambda settings: pool(lent=1))
-    running = iter([2, 1, 0])  # the replica's requests at each look: its last groups end
-    monkeypatch.setattr("serving.capacity.in_flight", lambda url: next(running))
-    steps = []
+    steps: list[str] = []
     monkeypatch.setattr(Scheduler, "stage_ahead", lambda self, name, version: steps.append(f"stage {version.version}"))
     monkeypatch.setattr("serving.capacity.set_replica", lambda settings, name, **changes: steps.append(
         "enable" if changes["enabled"] else "disable"))
@@ -450,6 +426,23 @@ def test_a_refresh_between_groups_waits_for_the_lent_replicas_groups_and_cuts_no
     monkeypatch.setattr("serving.capacity.abort_rollouts", lambda url: steps.append("abort"))
     monkeypatch.setattr(Scheduler, "move", lambda self, name, version, enable=True: steps.append(
         f"swap to {version.version}"))
+    return scheduler, steps
+
+
+def test_a_refresh_changes_the_weights_only_once_no_rollout_request_runs(monkeypatch):
+    scheduler, steps = refreshing(monkeypatch, CONFIG.model_copy(update={"refresh_s": 0.0}))
+    assert scheduler.refresh() is None
+    assert steps == ["stage v5", "disable", "drain", "abort", "swap to v5", "enable"]
+
+
+def test_a_refresh_between_groups_waits_for_the_lent_replicas_groups_and_cuts_none(monkeypatch):
+    # capacity.refresh = between_groups: the worker starts no group on a replica behind the
+    # learner (its test is below), and the scheduler stages the newest version while the last
+    # groups run, then swaps once none does: no drain to a deadline, no abort.
+    scheduler, steps = refreshing(monkeypatch, CONFIG.model_copy(update={"refresh": "between_groups",
+                                                                         "refresh_s": 3600.0}))
+    running = iter([2, 1, 0])  # the replica's requests at each look: its last groups end
+    monkeypatch.setattr("serving.capacity.in_flight", lambda url: next(running))
     assert scheduler.refresh() is None and scheduler.refresh() is None
     assert steps == ["stage v5"]  # staged once, while two groups and then one still ran
     assert scheduler.refresh() is None
