@@ -20,6 +20,7 @@ from datetime import UTC, datetime
 from typing import Any, Literal
 
 from aiokafka import AIOKafkaConsumer
+from aiokafka.errors import KafkaError
 from fastapi import Depends, FastAPI, HTTPException
 from fastapi.responses import PlainTextResponse
 from prometheus_client import Counter, Gauge
@@ -246,15 +247,24 @@ async def consume(settings: Settings, sink: Sink, stop: asyncio.Event) -> None:
         enable_auto_commit=False, auto_offset_reset="earliest", max_poll_records=2000,
     )
     await consumer.start()
+    uncommitted: dict[str, int] = {}  # messages stored, by topic, whose offsets are not committed yet
     try:
         while not stop.is_set():
             by_topic = await gather(consumer, settings.warehouse.batch_s)
             for topic, values in by_topic.items():
                 await asyncio.to_thread(sink.store, topic, values)
+                uncommitted[topic] = uncommitted.get(topic, 0) + len(values)
             if by_topic:
-                await consumer.commit()
-                for topic, values in by_topic.items():
-                    STORED_OFFSET.labels(topic).inc(len(values))
+                try:
+                    await consumer.commit()
+                except KafkaError as error:
+                    # The broker (or its store) away mid-commit: the next batch's commit covers
+                    # these offsets, and what a restart reads again is dropped as stored.
+                    log(logger, "offsets not committed", error=repr(error))
+                    continue
+                for topic, count in uncommitted.items():
+                    STORED_OFFSET.labels(topic).inc(count)
+                uncommitted.clear()
     finally:
         await consumer.stop()
 

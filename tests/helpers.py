@@ -76,6 +76,20 @@ def controller_health(settings) -> dict:
     return httpx.get(settings.url(settings.ports.controller) + "/health", timeout=5).json()
 
 
+@contextmanager
+def stable_pinned(settings, reason: str) -> Iterator[Registry]:
+    """While the block runs the controller promotes nothing and moves no replica onto
+    stable: pinned, and waited for until its /health says so, so a look that began
+    before the pin has ended. An operator's own promote still goes through."""
+    registry = Registry(settings.policies_dir)
+    registry.pin("stable", "test", reason)
+    try:
+        wait_for(lambda: controller_health(settings)["state"].startswith("stable pinned"), timeout=120)
+        yield registry
+    finally:
+        registry.pin("stable", "test", f"done: {reason}", pinned=False)
+
+
 def controller_idle(settings) -> bool:
     """No promotion in flight: the controller has no canary and nothing to take. Its
     /health tells what it did at its last poll; a candidate the learner published since

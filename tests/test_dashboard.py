@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 from helpers import serve_and_judge
-from test_operations import publish_copy
+from test_operations import promote_copy
 
 from liverl.audit import AuditLog
 from liverl.contracts import CapacityEvent
@@ -117,11 +117,10 @@ def test_on_call_logs_in_reads_live_plots_and_rolls_back_from_the_page(
     registry = Registry(settings.policies_dir)
     before = serve_and_judge(settings, dev_keys["tenant_key"], 12)
     controller = settings.url(settings.ports.controller)
-    candidate = publish_copy(settings, registry, "dashboard")
-    promoted = httpx.post(f"{controller}/admin/policies/{candidate.version}/promote", headers=admin_headers(settings),
-                          json={"reason": "a stable to roll back from in the page"}, timeout=600)
+    promoted = promote_copy(settings, "dashboard", "a stable to roll back from in the page")
     assert promoted.status_code == 200 and promoted.json()["state"] == "stable", promoted.text
-    assert serve_and_judge(settings, dev_keys["tenant_key"], 12) == candidate.version
+    candidate = promoted.json()["version"]
+    assert serve_and_judge(settings, dev_keys["tenant_key"], 12) == candidate
     wait = WebDriverWait(browser, 60)
 
     browser.get(controller + "/dashboard")
@@ -147,13 +146,13 @@ def test_on_call_logs_in_reads_live_plots_and_rolls_back_from_the_page(
     finally:
         set_pause(settings, None)
     # Both versions' curves, drawn from their judged completions once the reward window closes.
-    for version in (before, candidate.version):
+    for version in (before, candidate):
         WebDriverWait(browser, 90, poll_frequency=2).until(
             lambda b, v=version: b.find_elements(By.CSS_SELECTOR, f'#rates svg g[id="accept-{v}"]')
             or b.execute_script("typeof refreshPlot === 'function' && refreshPlot()"))  # script may still load
-    assert candidate.version in browser.execute_script("return document.querySelector('#rates').textContent")
+    assert candidate in browser.execute_script("return document.querySelector('#rates').textContent")
     refreshed = WebDriverWait(browser, 60, ignored_exceptions=[StaleElementReferenceException])
-    refreshed.until(lambda b: any(row.text.startswith(f"{candidate.version} stable")
+    refreshed.until(lambda b: any(row.text.startswith(f"{candidate} stable")
                                   for row in b.find_elements(By.CSS_SELECTOR, "#versions tbody tr")))
 
     # The page's session cannot be replayed without its CSRF token (another site's form).
@@ -168,8 +167,8 @@ def test_on_call_logs_in_reads_live_plots_and_rolls_back_from_the_page(
     browser.find_element(By.ID, "rollback").click()
     WebDriverWait(browser, 600).until(seen.text_to_be_present_in_element((By.ID, "message"), "rollback done"))
     assert {r.policy_version for r in read_pool(settings).replicas} == {before}
-    assert registry.get(candidate.version).state == "rolled_back"
-    assert registry.history(candidate.version)[-1]["reason"] == "dashboard test: users complain"
+    assert registry.get(candidate).state == "rolled_back"
+    assert registry.history(candidate)[-1]["reason"] == "dashboard test: users complain"
     wait.until(seen.text_to_be_present_in_element((By.ID, "history"), "dashboard test: users complain"))
     SCREENSHOT.parent.mkdir(exist_ok=True)
     browser.save_screenshot(str(SCREENSHOT))

@@ -27,7 +27,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from helpers import controller_health, item, wait_for
+from helpers import item, stable_pinned, wait_for
 
 from learner import router_replay
 from learner.trainer import Trainer, collate
@@ -131,15 +131,11 @@ def only_replica(settings: Settings, replica: Replica) -> Iterator[None]:
     swaps `replica`, which serves the starter, onto stable: CI, Nov 29), and the replicas
     taken out are locked, as a swap under way holds them (or its `restore_abandoned` puts
     them back in rotation)."""
-    registry = Registry(settings.policies_dir)
-    registry.pin("stable", "test", "the router-capture test owns the replicas")
-    with contextlib.ExitStack() as held:
+    with stable_pinned(settings, "the router-capture test owns the replicas"), contextlib.ExitStack() as held:
         others = [r.name for r in read_pool(settings).general if r.enabled]
         for name in others:
             held.enter_context(replica_lock(settings, name))
         try:
-            # A look of the controller's that began before the pin has ended.
-            wait_for(lambda: controller_health(settings)["state"].startswith("stable pinned"), timeout=120)
             with edit_pool(settings) as pool:
                 pool.replicas = [r.model_copy(update={"enabled": False}) if r.name in others else r
                                  for r in pool.replicas] + [replica]
@@ -148,7 +144,6 @@ def only_replica(settings: Settings, replica: Replica) -> Iterator[None]:
             with edit_pool(settings) as pool:
                 pool.replicas = [r.model_copy(update={"enabled": True}) if r.name in others else r
                                  for r in pool.replicas if r.name != replica.name]
-            registry.pin("stable", "test", "the router-capture test is done with the replicas", pinned=False)
 
 
 def learner_step(model_dir: Path, samples: list[RewardedSample]):

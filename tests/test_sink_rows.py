@@ -4,11 +4,16 @@ tenants may use one)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from datetime import UTC, datetime
+from types import SimpleNamespace
 
 import pytest
+from aiokafka.errors import UnknownError
+from aiokafka.structs import TopicPartition
 
+import feedback.sink
 from feedback.sink import Sink, feedback_row, sample_row
 from feedback.warehouse import ROLLUP_SQL, SCHEMA, ChdbBackend, migrate, query_json
 from liverl.contracts import FeedbackEvent, RewardedSample, Topics, Trajectory
@@ -221,3 +226,48 @@ def test_a_backlog_batch_of_long_ids_is_stored_once(sink):
     sink.store(Topics.FEEDBACK, batch)
     assert query_json(sink.warehouse, "SELECT count() AS n, uniqExact(event_id) AS u FROM feedback_events "
                                       "WHERE event_id LIKE 'backlog-%'") == [{"n": 5000, "u": 5000}]
+
+
+class CommitFailsOnce:
+    """A consumer whose first commit fails: a fault the real broker gives only by chance
+    (its store killed while the sink commits; seen in CI, Nov 29), so faked here."""
+
+    def __init__(self, batches: list[list[bytes]], done: asyncio.Event) -> None:
+        self.batches, self.done, self.commits = batches, done, 0
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    async def getmany(self, timeout_ms: int, max_records: int) -> dict:
+        if self.batches and not self.batches[0]:  # a gap: the batch before is written and committed
+            self.batches.pop(0)
+        elif self.batches:
+            return {TopicPartition(Topics.FEEDBACK, 0): [SimpleNamespace(value=v) for v in self.batches.pop(0)]}
+        if not self.batches:
+            self.done.set()
+        await asyncio.sleep(timeout_ms / 1000)
+        return {}
+
+    async def commit(self) -> None:
+        self.commits += 1
+        if self.commits == 1:
+            raise UnknownError()
+
+
+def test_a_commit_the_broker_fails_does_not_stop_the_sink(sink, settings, monkeypatch):
+    """The next batch's commit covers the offsets; read again after a restart they are
+    duplicates. Before, the consumer task died and the sink stayed down until the
+    supervisor found it stuck (30 s) and restarted it."""
+    def event(event_id: str) -> bytes:
+        return encode(FeedbackEvent(event_id=event_id, tenant="acme", timestamp="2026-11-29T16:14:48Z",
+                                    body={"kind": "accept", "completion_id": "c"}))
+
+    stop = asyncio.Event()
+    consumer = CommitFailsOnce([[event("commit-1")], [], [event("commit-2")], []], stop)
+    monkeypatch.setattr(feedback.sink, "AIOKafkaConsumer", lambda *topics, **config: consumer)
+    asyncio.run(feedback.sink.consume(settings, sink, stop))
+    assert consumer.commits == 2
+    rows = query_json(sink.warehouse, "SELECT event_id FROM feedback_events WHERE event_id LIKE 'commit-%' "
+                                      "ORDER BY event_id")
+    assert rows == [{"event_id": "commit-1"}, {"event_id": "commit-2"}]
