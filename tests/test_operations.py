@@ -155,29 +155,30 @@ def test_rollback_through_the_api_under_load_drops_nothing_and_serves_everywhere
 
 def test_a_canary_takes_its_share_of_sessions_and_each_session_keeps_its_version(
         settings, dev_keys, paused_learner):
-    registry = Registry(settings.policies_dir)
-    stable = registry.stable()
-    candidate = publish_copy(settings, registry, "share")
-    promoter = Promoter(settings, registry)
-    assert promoter.start_canary(candidate.version, "test", "traffic share test").state == "canary"
-    try:
-        with httpx.Client(base_url=settings.url(settings.ports.gateway), timeout=120,
-                          headers={"Authorization": f"Bearer {dev_keys['tenant_key']}"}) as gateway:
+    # Pinned, the controller neither takes the candidate first nor promotes the canary.
+    with stable_pinned(settings, "the test starts its own canary") as registry:
+        stable = registry.stable()
+        candidate = publish_copy(settings, registry, "share")
+        promoter = Promoter(settings, registry)
+        assert promoter.start_canary(candidate.version, "test", "traffic share test").state == "canary"
+        try:
+            with httpx.Client(base_url=settings.url(settings.ports.gateway), timeout=120,
+                              headers={"Authorization": f"Bearer {dev_keys['tenant_key']}"}) as gateway:
 
-            def version_for(session: str) -> str:
-                response = gateway.post("/v1/completions", headers={"x-liverl-session": session},
-                                        json={"model": "liverl", "prompt": "x = ", "max_tokens": 1})
-                assert response.status_code == 200, response.text
-                return response.headers["x-liverl-policy-version"]
+                def version_for(session: str) -> str:
+                    response = gateway.post("/v1/completions", headers={"x-liverl-session": session},
+                                            json={"model": "liverl", "prompt": "x = ", "max_tokens": 1})
+                    assert response.status_code == 200, response.text
+                    return response.headers["x-liverl-policy-version"]
 
-            first = {f"user-{i}": version_for(f"user-{i}") for i in range(200)}
-            assert set(first.values()) == {stable.version, candidate.version}
-            low, high = wilson(sum(v == candidate.version for v in first.values()), len(first), z=2.576)
-            assert low <= settings.serving.canary_share <= high
-            for session in list(first)[:25]:  # a session never flips between versions
-                assert version_for(session) == first[session]
-    finally:
-        promoter.abort(candidate.version, "test", "traffic share test over")
+                first = {f"user-{i}": version_for(f"user-{i}") for i in range(200)}
+                assert set(first.values()) == {stable.version, candidate.version}
+                low, high = wilson(sum(v == candidate.version for v in first.values()), len(first), z=2.576)
+                assert low <= settings.serving.canary_share <= high
+                for session in list(first)[:25]:  # a session never flips between versions
+                    assert version_for(session) == first[session]
+        finally:
+            promoter.abort(candidate.version, "test", "traffic share test over")
     assert {r.policy_version for r in read_pool(settings).replicas} == {stable.version}
     assert read_pool(settings).aliases == {"stable": stable.version}
 
