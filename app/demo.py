@@ -780,6 +780,12 @@ def demo_settings(day: bool = False) -> Settings:
         # its p99 alone (benchmarks/bench_harvest.py, Nov 27), so nothing is lent beside the
         # night shift's one user (replicas on devices of their own keep the defaults).
         defaults["capacity"] = {"enabled": True, "lend_after_s": 10.0, "lend_below": 0.0, "take_back_above": 0.0}
+        # The lent replica follows the learner between its groups, so each version's groups are
+        # sampled from its parent: five seeds of the day each (Nov 29, the same afternoon), the last
+        # stable +8.5 held-out points above the starter at the median against -0.5 on the 30-s
+        # timer, production 0.622 against 0.669 (docs/learning.md, "The lent replica between
+        # groups"). With lend_below = take_back_above = 0 a replica behind the learner never idles.
+        defaults["capacity"] |= {"refresh": "between_groups"}
         # A canary caught by a trough stands down rather than hold the second replica through it.
         defaults["promotion"] |= {"quiet_canary_s": 15.0}
         # The starter is small enough for the held-out evaluator to run it on a spare CPU thread.
