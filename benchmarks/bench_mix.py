@@ -18,6 +18,8 @@ versions behind), each mixed by the policy under test:
 - `kl`: production alone with a KL to the night's last version (`--set kl_coef=...`), the
   anchor to the last version that held the skill.
 
+Any of them with `--set skill_anchor_coef=1`: each version holds its parent's likelihood of
+`skill_anchor_samples` passed completions from the buffer (`learner/rl.py: skill_anchor_loss`).
 Any of them with `--set settled_reward=0.8` (and `settled_lr_scale`): a version whose
 production accept reached it steps a share of the lr (`learner/mix.py: settled_step`).
 
@@ -135,7 +137,7 @@ def run(seed: int, policy: str, overrides: dict, trough_rounds: int, day_rounds:
         night = groups(env, tasks, model_for(k), tokenizer, k, k, groups_per_round, group_size)
         buffer.remember(night[i:i + group_size] for i in range(0, len(night), group_size)
                         if len({s.reward for s in night[i:i + group_size]}) > 1)
-        trainer.train(night, seed=k)
+        trainer.train(night, seed=k, anchor=buffer.passed(config.skill_anchor_samples, k))
         versions.append(published(trainer))
     evals.append((trough_rounds, evaluate()))
     if policy == "kl":
@@ -154,7 +156,7 @@ def run(seed: int, policy: str, overrides: dict, trough_rounds: int, day_rounds:
             replayed = as_if_sampled_now(trainer, replayed)
         # With `--set settled_reward=...`, the learner's smaller step once production is learned.
         step = settled_step([s.reward for s in samples], 0, config.settled_reward, config.settled_lr_scale)
-        trainer.train(train + replayed, seed=k, lr_scale=step)
+        trainer.train(train + replayed, seed=k, lr_scale=step, anchor=buffer.passed(config.skill_anchor_samples, k))
         versions.append(published(trainer))
         if (k - trough_rounds + 1) % eval_every == 0:
             evals.append((k + 1, evaluate()))

@@ -12,6 +12,10 @@ importance weight and the trust region around the parent bound what they can do.
 Replayed samples are not learned again in the registry's record (exactly once): they are
 counted in the version's metrics (`replayed_samples`).
 
+The skill anchor (`learner.skill_anchor_coef`) holds, at each version's step, the parent's
+likelihood of rollout completions that passed, drawn from the same buffer: a constraint on
+what production may take, not a second lesson (`learner/rl.py: skill_anchor_loss`).
+
 Once production is learned (its samples' mean reward at `learner.settled_reward`), a
 version of production alone takes a smaller step (`settled_step`): the day's skill was lost
 a little at every such version, not at a few large ones (docs/benchmarks.md, the day).
@@ -19,6 +23,7 @@ a little at every such version, not at a few large ones (docs/benchmarks.md, the
 
 from __future__ import annotations
 
+import random
 from collections import deque
 from collections.abc import Iterable
 
@@ -46,6 +51,13 @@ class ReplayBuffer:
             taken += group
         return taken
 
+    def passed(self, count: int, seed: int) -> list[RewardedSample]:
+        """Up to `count` members that did better than their group (the completions the skill
+        anchor holds: `learner/rl.py: skill_anchor_loss`), a different draw for each seed."""
+        better = [s for group in self.groups for s in group
+                  if s.reward > sum(m.reward for m in group) / len(group)]
+        return random.Random(seed).sample(better, min(count, len(better)))
+
 
 def settled_step(production_rewards: list[float], fresh_groups: int, settled_reward: float | None,
                  scale: float) -> float:
@@ -55,6 +67,17 @@ def settled_step(production_rewards: list[float], fresh_groups: int, settled_rew
     if settled_reward is None or fresh_groups or not production_rewards:
         return 1.0
     return scale if sum(production_rewards) / len(production_rewards) >= settled_reward else 1.0
+
+
+def held_step(rewinds: int, scale: float | None, floor: float) -> float:
+    """The share of the lr a version steps when the guard has put the learner back on the
+    stable version `rewinds` times (candidates held for skill or aborted): `scale` per rewind,
+    down to `floor`, and 1 once a candidate is promoted (a new stable has none). Each held
+    candidate was a step too far for something the guard checks, so the next ones try a
+    smaller one, as TRPO's line search halves a step that broke its constraint."""
+    if scale is None or not rewinds:
+        return 1.0
+    return max(scale ** rewinds, floor)
 
 
 def as_if_sampled_now(trainer: Trainer, samples: list[RewardedSample]) -> list[RewardedSample]:

@@ -122,6 +122,21 @@ def policy_shift(parent_logp: torch.Tensor, logp: torch.Tensor, mask: torch.Tens
     return {"kl_from_parent": kl[mask].mean().item(), "entropy": entropy[mask].mean().item()}
 
 
+def skill_anchor_loss(logp: torch.Tensor, parent_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """PPO-ptx (Ouyang et al. 2022, InstructGPT eq. 2) adds a log-likelihood term to the RL
+    objective so that learning what users prefer does not pay for it in skills already learned.
+    Here it is one-sided, on completions known to be right (rollouts that passed their task):
+
+        mean_t max(0, log pi_parent(t) - log pi(t))
+
+    Zero, with no gradient, while the version gives each token at least the likelihood its
+    parent gave it; a pull back up wherever the rest of the step lowered it. It holds what
+    rollouts taught without teaching it again: a replay of the groups pushes their successes
+    further up and their failures down at every version (docs/learning.md)."""
+    drop = (parent_logp.detach() - logp).clamp(min=0)
+    return (drop * mask).sum() / mask.sum().clamp(min=1)
+
+
 def adapted_lr(lr: float, kl: float, target_kl: float, lr_min: float, lr_max: float,
                factor: float = 1.5) -> float:
     """The next version's learning rate from how far this one moved from its parent: PPO's

@@ -38,7 +38,7 @@ from prometheus_client import Counter, Gauge
 from pydantic import ValidationError
 
 from learner import distributed
-from learner.mix import ReplayBuffer, settled_step
+from learner.mix import ReplayBuffer, held_step, settled_step
 from learner.trainer import Trainer, problem
 from liverl.contracts import DeadLetter, RewardedSample, Topics
 from liverl.faults import crash_point
@@ -383,11 +383,13 @@ class Learner:
             self.trainer.use_reference(Path(self.stable().model_dir))
         started = time.time()
         step = settled_step([s.reward for s in self.pending.values()], len(chosen), self.config.settled_reward,
-                            self.config.settled_lr_scale)
-        metrics = self.trainer.train((train or batch) + replayed, seed=self.current.seq, lr_scale=step)
+                            self.config.settled_lr_scale) * held_step(
+            self.registry.rewinds_to(self.stable().version), self.config.held_lr_scale, self.config.held_lr_floor)
+        metrics = self.trainer.train((train or batch) + replayed, seed=self.current.seq, lr_scale=step,
+                                     anchor=self.replay.passed(self.config.skill_anchor_samples, self.current.seq))
         crash_point("learner.after_train")
         metrics["replayed_samples"] = len(replayed)
-        metrics["lr_scale"] = step  # below 1: a settled version (learner/mix.py)
+        metrics["lr_scale"] = step  # below 1: a settled version, or one after the guard rewound (learner/mix.py)
         metrics["train_seconds"] = time.time() - started
         metrics["tokens_per_second"] = metrics["tokens"] * self.config.epochs / max(metrics["train_seconds"], 1e-9)
         for sample in batch:  # each poison pill is dead-lettered once, counted in this version

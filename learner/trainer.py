@@ -48,6 +48,7 @@ from learner.rl import (
     group_advantages,
     policy_gradient_loss,
     policy_shift,
+    skill_anchor_loss,
     version_minibatches,
 )
 from learner.segments import segments, turns_problem, written_tokens
@@ -248,6 +249,7 @@ class Trainer:
         self.parent: dict[str, torch.Tensor] | None = None  # the trained weights before the last version
         self.reference: dict[str, torch.Tensor] | None = None  # kl_reference=stable: its trained weights
         self.reference_dir: Path | None = None
+        self.anchor: tuple[Batch, torch.Tensor] | None = None  # a version's skill anchor: samples, parent's logprobs
 
     def trained_names(self) -> list[str]:
         return [n for n, p in self.model.named_parameters() if p.requires_grad]
@@ -314,10 +316,13 @@ class Trainer:
             return f"{sample.tenant}|{','.join(map(str, end))}"
         return sample.tenant
 
-    def train(self, samples: list[RewardedSample], seed: int = 0, lr_scale: float = 1.0) -> dict:
+    def train(self, samples: list[RewardedSample], seed: int = 0, lr_scale: float = 1.0,
+              anchor: list[RewardedSample] | None = None) -> dict:
         """One version's worth of updates on `samples`, each step at `lr_scale` of the lr (a
-        settled version's: learner/mix.py); returns its metrics."""
+        settled version's: learner/mix.py), holding the parent's likelihood of `anchor`'s
+        completions with `skill_anchor_coef`; returns its metrics."""
         self.model.train()
+        self.anchor = self.anchored(anchor) if anchor and self.config.skill_anchor_coef > 0 else None
         advantages = self.advantages(samples)
         # The parent: the proximal policy of a trust region around it, the KL's reference
         # unless that is stable (kept by the service: `use_reference`), and the gate's baseline.
@@ -340,6 +345,7 @@ class Trainer:
             steps, failed, shift = self.steps(samples, advantages, seed, step_lr, parent, reference, watched,
                                               parent_watch)
         self.lr = lr
+        anchor_drop = self.anchor_drop()
         # A smaller step's KL says nothing of what the full step would move: not adapted by it
         # (a backtracked version's full step is its first).
         if self.config.target_kl is not None and full_step_kl is not None and lr_scale == 1.0:
@@ -347,6 +353,7 @@ class Trainer:
         return {"samples": len(samples), "lr": step_lr, "backtracks": backtracks,
                 "mean_reward": sum(s.reward for s in samples) / len(samples),
                 **summarise(steps, self.config.router_replay), **advantage_stats(advantages), **shift,
+                **anchor_drop,
                 # Samples that broke a step and were skipped: the service dead-letters them.
                 "untrainable": {samples[i].sample_id: why for i, why in failed.items()}}
 
@@ -367,6 +374,29 @@ class Trainer:
         shift = {} if watched is None or parent_watch is None else policy_shift(
             parent_watch, self.vocabulary(watched), watched.completion_mask)
         return steps, failed, shift
+
+    def anchored(self, samples: list[RewardedSample]) -> tuple[Batch, torch.Tensor]:
+        """The skill anchor's batch and its parent's logprobs (the weights before the version's steps)."""
+        batch = collate(samples, self.tokenizer.pad_token_id, self.layers, self.top_k)
+        with torch.no_grad(), router_replay.replay(self.model, batch.routing if self.config.router_replay else None):
+            return batch, token_logprobs(self.model, batch)
+
+    def anchor_loss(self) -> torch.Tensor:
+        """`skill_anchor_loss` on the version's anchor, now."""
+        assert self.anchor is not None
+        batch, parent_logp = self.anchor
+        with router_replay.replay(self.model, batch.routing if self.config.router_replay else None):
+            logp = token_logprobs(self.model, batch)
+        return skill_anchor_loss(logp, parent_logp, batch.completion_mask)
+
+    def anchor_drop(self) -> dict[str, float]:
+        """How far below its parent's the version left the anchored completions' likelihood
+        (mean nats a token under the hinge), and how many it anchored."""
+        if self.anchor is None:
+            return {}
+        with torch.no_grad():
+            drop = self.anchor_loss().item()
+        return {"skill_anchor_drop": drop, "skill_anchor_samples": len(self.anchor[0].sample_of_row.unique())}
 
     def restore(self, weights: dict[str, torch.Tensor], adam: dict) -> None:
         """The trained weights and Adam's state as they were (`snapshot`, the optimizer's state dict)."""
@@ -399,6 +429,8 @@ class Trainer:
              parent: dict[str, torch.Tensor] | None, reference: dict[str, torch.Tensor] | None) -> StepStats:
         """One gradient step on this rank's part of `minibatch`; returns what it measured."""
         idx, share, normalizer = self.shard(minibatch, samples)
+        # Before the step's own forward: the routing statistics below read the last pass.
+        anchor = self.config.skill_anchor_coef * self.anchor_loss() if self.anchor is not None else None
         batch = collate([samples[i] for i in idx], self.tokenizer.pad_token_id, self.layers, self.top_k)
         with router_replay.replay(self.model, batch.routing if self.config.router_replay else None):
             parent_logp, reference_logp, logp, vocab_logp = self.step_logprobs(batch, parent, reference)
@@ -414,6 +446,8 @@ class Trainer:
         )
         if self.config.entropy_coef > 0:
             loss = loss - self.config.entropy_coef * entropy_bonus(vocab_logp, batch.completion_mask, normalizer)
+        if anchor is not None:
+            loss = loss + anchor
         self.optimizer.zero_grad()
         loss.backward()  # the last line that can fail: nothing below changes the weights
         # Train/inference mismatch, read in the first epoch, before this batch moves the weights.

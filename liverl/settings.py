@@ -386,12 +386,24 @@ class LearnerConfig(Config):
                                "samples trains again, less the fresh groups it takes (lending comes in troughs; "
                                "production alone trains away what rollouts taught: docs/learning.md); 0: none.")
     replay_buffer: int = Field(64, ge=1, description="Most recent trained rollout groups kept for replay_groups.")
+    skill_anchor_coef: float = Field(
+        0.0, ge=0.0, description="Weight of the skill anchor: each step pulls back up, token by token, what it "
+        "lowered below the parent's likelihood of rollout completions that passed (`learner/rl.py: "
+        "skill_anchor_loss`, PPO-ptx made one-sided), from the replay buffer; 0: off.")
+    skill_anchor_samples: int = Field(16, ge=1, description="Passed rollout completions each version anchors "
+                                      "(a different draw from the replay buffer each version).")
     settled_reward: float | None = Field(
         None, description="Mean reward of a version's production samples from which production counts as "
         "learned: a version without fresh rollout groups then steps settled_lr_scale of the lr, so what "
         "production still teaches costs less of the skill rollouts taught (docs/learning.md); None: off.")
     settled_lr_scale: float = Field(0.5, gt=0.0, le=1.0, description="A settled version's step, as a share of "
                                     "the lr (the adaptive step size is not adapted by it).")
+    held_lr_scale: float | None = Field(
+        None, gt=0.0, lt=1.0, description="After the guard puts the learner back on stable (a candidate held "
+        "for skill or aborted), versions step this share of the lr, once more per further rewind to the same "
+        "stable, until one is promoted (`learner/mix.py: held_step`); None: off.")
+    held_lr_floor: float = Field(0.125, gt=0.0, le=1.0, description="Smallest share of the lr held_lr_scale "
+                                 "goes down to.")
     group_timeout_s: float = Field(900.0, gt=0, description="A sized group (rollouts) still incomplete after "
                                    "this long is given up, its members counted as dropped, never half-trained.")
     max_lead_versions: int | None = Field(

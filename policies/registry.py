@@ -241,6 +241,12 @@ class Registry:
         row = self.db.execute("SELECT * FROM rewinds ORDER BY id DESC LIMIT 1").fetchone()
         return Rewind(**dict(zip(Rewind.model_fields, row, strict=True))) if row else None
 
+    def rewinds_to(self, version: str) -> int:
+        """How many times the guard or an operator put the learner back on `version` (the
+        learner's own rebases and gate rewinds aside: `actor` "learner")."""
+        return self.db.execute("SELECT count(*) FROM rewinds WHERE version = ? AND actor != 'learner'",
+                               (version,)).fetchone()[0]
+
     def head(self) -> PolicyVersion | None:
         """The version the learner continues from: the newest, unless it was trained
         before the last rewind (its metrics name the rewinds its learner had applied)."""

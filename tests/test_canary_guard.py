@@ -142,6 +142,9 @@ def test_head_follows_rewinds_and_rejected_chains_are_named(tmp_path, starter_di
     assert registry.head().version == v0.version  # v2 was trained before the rewind
     v3 = publish(v0.version, after_rewind=rewind.id)
     assert registry.head().version == v3.version and registry.continues_rejected(v3.version) is None
+    # The guard's rewinds to a stable version are counted (learner.held_lr_scale), the learner's own not.
+    registry.request_rewind(v0.version, "learner", "v3 too far from stable")
+    assert registry.rewinds_to(v0.version) == 1 and registry.rewinds_to(v3.version) == 0
     with pytest.raises(KeyError):
         registry.request_rewind("v99", "test", "no such version")
 

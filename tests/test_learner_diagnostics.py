@@ -10,7 +10,8 @@ import torch
 from test_distributed_learner import sampled
 
 from learner.rl import policy_shift
-from learner.trainer import Trainer, collate, vocabulary_logprobs
+from learner.trainer import Trainer, collate, token_logprobs, vocabulary_logprobs
+from liverl.contracts import RewardedSample, Trajectory
 from liverl.settings import LearnerConfig
 
 
@@ -163,6 +164,15 @@ def test_production_counts_as_learned_from_its_mean_reward_in_versions_without_f
     assert settled_step([1.0] * 5, fresh_groups=0, settled_reward=None, scale=0.5) == 1.0  # off
 
 
+def test_after_the_guard_rewinds_the_learner_versions_take_a_smaller_step_until_one_is_promoted():
+    from learner.mix import held_step
+
+    assert held_step(0, 0.5, 0.125) == 1.0  # a new stable: no rewind to it yet
+    assert (held_step(1, 0.5, 0.125), held_step(2, 0.5, 0.125)) == (0.5, 0.25)
+    assert held_step(5, 0.5, 0.125) == 0.125  # the floor
+    assert held_step(3, None, 0.125) == 1.0  # off
+
+
 def test_a_version_that_ran_past_the_kl_limit_is_trained_again_from_its_parent_at_half_the_lr(starter_dir: Path):
     """TRPO's line search on the step size (`learner.max_kl_from_parent`): a version whose
     full step moved the policy past the limit is undone, weights and Adam state, and trained
@@ -183,3 +193,49 @@ def test_a_version_that_ran_past_the_kl_limit_is_trained_again_from_its_parent_a
     # Out of backtracks: the last try is kept and says so.
     stubborn = Trainer(starter_dir, config.model_copy(update={"max_kl_from_parent": 1e-12, "kl_backtracks": 1}))
     assert stubborn.train(samples)["backtracks"] == 1
+
+
+def test_the_skill_anchor_holds_the_parents_likelihood_of_passed_completions_a_step_pushes_down(starter_dir: Path):
+    """`learner.skill_anchor_coef`: a version whose production samples push down completions a
+    rollout found right (here, the same completions rejected) keeps more of its parent's
+    likelihood of them with the anchor than the same steps without, and says how much it lost."""
+    samples = sampled(starter_dir, count=6)
+    passed = [s.model_copy(update={"reward": 1.0}) for s in samples[:3]]
+    rejected = [s.model_copy(update={"reward": 0.0, "sample_id": f"p{i}"}) for i, s in enumerate(samples[:3])]
+    accepted = [s.model_copy(update={"reward": 1.0}) for s in samples[3:]]
+    config = LearnerConfig(minibatch=6, lr=1e-3, epochs=4)
+
+    def likelihood(trainer: Trainer) -> float:
+        batch = collate(passed, trainer.tokenizer.pad_token_id, trainer.layers, trainer.top_k)
+        with torch.no_grad():
+            logp = token_logprobs(trainer.model, batch)
+        return float((logp * batch.completion_mask).sum() / batch.completion_mask.sum())
+
+    parent = likelihood(Trainer(starter_dir, config))
+    free = Trainer(starter_dir, config)
+    held = Trainer(starter_dir, config.model_copy(update={"skill_anchor_coef": 5.0}))
+    free_metrics = free.train(rejected + accepted, anchor=passed)  # coef 0: the anchor is not used
+    held_metrics = held.train(rejected + accepted, anchor=passed)
+    lost_free, lost_held = parent - likelihood(free), parent - likelihood(held)
+    assert lost_free > 0.1  # the rejection pushed them down
+    assert lost_held < lost_free / 2
+    assert "skill_anchor_drop" not in free_metrics
+    assert held_metrics["skill_anchor_samples"] == 3 and 0 <= held_metrics["skill_anchor_drop"] < lost_free
+
+
+def test_the_anchor_draws_members_that_did_better_than_their_group():
+    from learner.mix import ReplayBuffer
+
+    def member(group: str, i: int, reward: float) -> RewardedSample:
+        trajectory = Trajectory(event_id=f"{group}{i}", tenant="r", completion_id=f"{group}{i}", policy_version="v0",
+                                prompt_token_ids=[1], completion_token_ids=[2], completion_logprobs=[-1.0],
+                                group_id=group, group_size=3, source="rollout")
+        return RewardedSample(sample_id=f"{group}{i}", event_id=f"{group}{i}", tenant="r", reward=reward,
+                              reward_source="feedback", reward_fn_version="t", trajectory=trajectory)
+
+    buffer = ReplayBuffer(8)
+    buffer.remember([[member("a", 0, 1.0), member("a", 1, 0.0), member("a", 2, 0.0)],
+                     [member("b", 0, 0.5), member("b", 1, 1.0), member("b", 2, 0.0)]])
+    assert sorted(s.sample_id for s in buffer.passed(10, seed=0)) == ["a0", "b1"]  # b0 is its group's mean
+    assert len(buffer.passed(1, seed=0)) == 1
+    assert {buffer.passed(1, seed=s)[0].sample_id for s in range(20)} == {"a0", "b1"}  # a draw per version
