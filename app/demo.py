@@ -803,7 +803,10 @@ def demo_settings(day: bool = False) -> Settings:
         # those versions take half the step (learner/mix.py: settled_step).
         defaults["learner"] |= {"settled_reward": 0.8, "settled_lr_scale": 0.5}
         # Each canary waits for the candidate's held-out figures (the skill guard), about a second
-        # of CPU once the starter's lines are scored: at nice 19 beside a peak (and other work on
-        # the machine) the starter's took 158 s (Nov 28). At 5, production still comes first.
-        defaults["rollouts"] |= {"heldout_nice": 5}
+        # of CPU once the starter's lines are scored. Niced, the evaluator gets what the peaks leave:
+        # at 19 the starter's took 158 s (Nov 28); at 5, on a machine slow for this stack, up to 101
+        # and 247 s, and stable stayed the starter for 383 s and for the whole day. At everyone's
+        # priority the same seeds' took at most 26-27 s, with 8 stables each and the same p99 (Nov 29
+        # evening, four pairs: docs/benchmarks.md, "The evaluator at everyone's priority").
+        defaults["rollouts"] |= {"heldout_nice": 0}
     return settings_with_defaults(defaults, data_dir=Settings().data_dir / "demo")
