@@ -21,6 +21,9 @@ their logprobs): parsing into the contract and the row, the duplicate check, the
 insert, and the insert itself (chdb, its materialized views included).
 
     .venv/bin/python benchmarks/bench_sink_writes.py --phases
+
+Each mode takes `--look-up-every-key`: the sink without its key filter, every row's key
+looked up in ClickHouse (as before Nov 30).
 """
 
 from __future__ import annotations
@@ -96,21 +99,23 @@ def settle(sink: Sink, timeout_s: float = 600) -> None:
         time.sleep(1)
 
 
-def by_table_size(sizes: list[int], batch: int, batches: int, spread_s: int) -> None:
+def by_table_size(sizes: list[int], batch: int, batches: int, spread_s: int, remember_keys: bool) -> None:
     table = Table(title=f"sink batches of {batch} against the rows already stored (median of {batches} batches "
                         "each; range in brackets)")
-    for column in ("rows stored", "fill", "feedback batch wall", "feedback batch CPU", "samples batch wall",
-                   "samples batch CPU"):
+    for column in ("rows stored", "fill", "key filters' load", "feedback batch wall", "feedback batch CPU",
+                   "samples batch wall", "samples batch CPU"):
         table.add_column(column, justify="right")
     for size in sizes:
         with tempfile.TemporaryDirectory(dir=os.environ.get("LIVERL_BENCH_TMP")) as data_dir:
-            sink = Sink(open_warehouse(Settings(data_dir=Path(data_dir))))
+            sink = Sink(open_warehouse(Settings(data_dir=Path(data_dir))), remember_keys)
             started = time.time()
             for sql in FILL.values():
                 sink.warehouse.command(sql.format(n=size, spread=spread_s))
             fill = time.time() - started
             settle(sink)
-            cells = []
+            started = time.time()
+            held = sum(f.held.nbytes for f in sink.load_keys().values()) if remember_keys else 0
+            cells = [f"{time.time() - started:.1f} s, {held / 2**20:.0f} MB" if remember_keys else "(none)"]
             for topic, make in ((Topics.FEEDBACK, lambda: feedback_events(batch)),
                                 (Topics.SAMPLES, lambda: samples(batch, size, spread_s))):  # noqa: B023 (called in this iteration)
                 walls, cpus = [], []
@@ -145,12 +150,12 @@ def event_messages(n: int) -> dict[str, list[bytes]]:
     return out
 
 
-def by_phase(batch: int, batches: int) -> None:
+def by_phase(batch: int, batches: int, remember_keys: bool) -> None:
     """The steps of `Sink.store`, timed apart (CPU of the process, chdb's threads included)."""
     phases = ("parse and row", "duplicate check", "insert's JSON", "insert (chdb)")
     spent: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory(dir=os.environ.get("LIVERL_BENCH_TMP")) as data_dir:
-        sink = Sink(open_warehouse(Settings(data_dir=Path(data_dir))))
+        sink = Sink(open_warehouse(Settings(data_dir=Path(data_dir))), remember_keys)
         for i in range(batches + 3):  # the first three warm the tables up, untimed
             for topic, messages in event_messages(batch).items():
                 table_name, marks = TABLE_OF[topic], [time.process_time()]
@@ -185,17 +190,20 @@ def main(messages: int = typer.Option(512, help="Messages stored for each write 
          spread_s: int = typer.Option(2_592_000, help="With --stored: the stored rows' times spread over this "
                                       "many seconds before now (a month; 1: all in one second, as the soak's load "
                                       "stamps them)."),
-         phases: bool = typer.Option(False, help="Instead: where a batch's CPU goes, by step.")) -> None:
+         phases: bool = typer.Option(False, help="Instead: where a batch's CPU goes, by step."),
+         remember_keys: bool = typer.Option(True, "--remember-keys/--look-up-every-key", help="The sink's key "
+                                            "filter (warehouse.remember_keys), or every key looked up in ClickHouse "
+                                            "as before Nov 30.")) -> None:
     if phases:
-        return by_phase(batch, batches)
+        return by_phase(batch, batches, remember_keys)
     if stored:
-        return by_table_size(stored, batch, batches, spread_s)
+        return by_table_size(stored, batch, batches, spread_s, remember_keys)
     table = Table(title=f"sink writes on embedded ClickHouse: {messages} messages per size, "
                         f"{stored_before} rows stored before")
     for column in ("messages per write", "writes", "CPU per write", "CPU per message", "wall"):
         table.add_column(column, justify="right")
     with tempfile.TemporaryDirectory() as data_dir:
-        sink = Sink(open_warehouse(Settings(data_dir=Path(data_dir))))
+        sink = Sink(open_warehouse(Settings(data_dir=Path(data_dir))), remember_keys)
         for _ in range(stored_before // 200):
             sink.store(Topics.REQUESTS, records(200))
         for size in (1, 4, 16, 64, 256):

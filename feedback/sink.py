@@ -6,7 +6,9 @@ analysts' read-only SQL (`liverl sql`, `liverl metrics`) over HTTP.
 Offsets are committed after the rows are stored: a crash redelivers, and rows whose
 event id is already stored are skipped, so nothing is lost or counted twice. Both checks
 a batch makes (ids stored, latest revisions of its samples) are one query each of point
-lookups in key-value tables, so a batch costs about the same however much is stored.
+lookups in key-value tables, so a batch costs about the same however much is stored, and
+only of the keys a filter in memory says may be there (feedback/key_filter.py): a new row,
+nearly every row, is not looked up at all.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-from aiokafka import AIOKafkaConsumer
+from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import KafkaError
 from fastapi import Depends, FastAPI, HTTPException
 from fastapi.responses import PlainTextResponse
@@ -27,6 +29,7 @@ from prometheus_client import Counter, Gauge
 from pydantic import AwareDatetime, BaseModel, Field, ValidationError
 
 from feedback.analyst_sql import RefusedQuery, prepare
+from feedback.key_filter import KeyFilter
 from feedback.warehouse import FORMATS, KEYED, Warehouse, open_warehouse, query_json
 from liverl.contracts import (
     CapacityEvent,
@@ -129,41 +132,68 @@ def policy_version_row(p: PolicyVersionEvent) -> dict:
 LOOKUP_KEYS = 1000  # ids per duplicate lookup: a query's text stays far below ClickHouse's 256 KiB
 
 
+def event_key(table: str, tenant: str | None, event_id: str) -> str:
+    """A big table's row in event_keys (feedback/warehouse.py names it the same)."""
+    return f"{table}:{tenant}:{event_id}"
+
+
+def sample_key(row: dict) -> str:
+    """A sample's key in sample_latest."""
+    return f"{row['tenant']}:{row['sample_id']}"
+
+
 class Sink:
-    def __init__(self, warehouse: Warehouse):
+    def __init__(self, warehouse: Warehouse, remember_keys: bool = True):
         self.warehouse = warehouse
+        self.remember_keys = remember_keys
+        self.filters: dict[str, KeyFilter] = {}  # by key table
+        self.reload = True  # load the filters before the next check
+
+    def load_keys(self) -> dict[str, KeyFilter]:
+        """The key filters, loaded from the warehouse first if they were forgotten."""
+        if self.reload:
+            self.reload = False  # before: partitions given while they load make them load again
+            self.filters = {table: KeyFilter.load(self.warehouse, table) for table in ("event_keys", "sample_latest")}
+        return self.filters
+
+    def forget_keys(self) -> None:
+        """Load the key filters again before the next check: another sink may have written."""
+        self.reload = True
+
+    def _may_hold(self, key_table: str, keys: dict[str, Any]) -> dict[str, Any]:
+        """Those of `keys` that `key_table` may hold: all of them without a key filter."""
+        if not self.remember_keys:
+            return keys
+        maybe = self.load_keys()[key_table].maybe_stored(list(keys))
+        return {key: value for (key, value), held in zip(keys.items(), maybe, strict=True) if held}
+
+    def _lookup(self, sql: str, values: list[str]) -> list[dict]:
+        """`sql`'s rows, its `{}` the values as string literals, LOOKUP_KEYS at a time:
+        ClickHouse refuses a query text past 256 KiB (max_query_size), which a backlog's
+        batch of long ids passed (the broker-kill test found it)."""
+        return [row for i in range(0, len(values), LOOKUP_KEYS)
+                for row in query_json(self.warehouse, sql.format(",".join(map(quote, values[i:i + LOOKUP_KEYS]))))]
 
     def _stored_keys(self, table: str, rows: dict[tuple[str | None, str], dict]) -> set[tuple[str | None, str]]:
         """Which (tenant, event_id) pairs are stored: an event id is the tenant's own name,
         so another tenant's event with the same id is not a duplicate. A big table's ids are
-        point lookups in event_keys (the cost is the batch's, not the table's); the small
-        ones are read by event id. A query names at most LOOKUP_KEYS ids: ClickHouse refuses
-        a query text past 256 KiB (max_query_size), which a backlog's batch of long ids
-        passed (the broker-kill test found it)."""
-        items = list(rows.items())
-        if len(items) > LOOKUP_KEYS:
-            return set().union(*(self._stored_keys(table, dict(items[i:i + LOOKUP_KEYS]))
-                                 for i in range(0, len(items), LOOKUP_KEYS)))
+        point lookups in event_keys (the cost is the batch's, not the table's), of only
+        those its key filter may hold; the small ones are read by event id."""
         if table in KEYED:
-            keys = {f"{table}:{tenant}:{event_id}": (tenant, event_id) for tenant, event_id in rows}
-            sql = f"SELECT key FROM event_keys WHERE key IN ({','.join(map(quote, keys))})"
-            return {keys[r["key"]] for r in query_json(self.warehouse, sql)}
+            keys = self._may_hold("event_keys", {event_key(table, tenant, event_id): (tenant, event_id)
+                                                 for tenant, event_id in rows})
+            return {keys[r["key"]] for r in self._lookup("SELECT key FROM event_keys WHERE key IN ({})", list(keys))}
         tenant = "NULL" if table in UNTENANTED else "tenant"
-        quoted = ",".join(quote(event_id) for _, event_id in rows)
-        sql = f"SELECT {tenant} AS tenant, event_id FROM {table} WHERE event_id IN ({quoted})"
-        return {(r["tenant"], r["event_id"]) for r in query_json(self.warehouse, sql)}
+        found = self._lookup(f"SELECT {tenant} AS tenant, event_id FROM {table} WHERE event_id IN ({{}})",
+                             [event_id for _, event_id in rows])
+        return {(r["tenant"], r["event_id"]) for r in found}
 
     def _latest_revisions(self, rows: list[dict]) -> dict[str, dict]:
         """The latest stored revision of these samples, by sample id: point lookups in
-        sample_latest, one query for the batch (per LOOKUP_KEYS samples)."""
-        if len(rows) > LOOKUP_KEYS:
-            found: dict[str, dict] = {}
-            for i in range(0, len(rows), LOOKUP_KEYS):
-                found.update(self._latest_revisions(rows[i:i + LOOKUP_KEYS]))
-            return found
-        keys = {f"{r['tenant']}:{r['sample_id']}": r["sample_id"] for r in rows}
-        sql = f"SELECT key, revision, reward, accepted FROM sample_latest WHERE key IN ({','.join(map(quote, keys))})"
-        return {keys[row["key"]]: row for row in query_json(self.warehouse, sql)}
+        sample_latest of those its key filter may hold."""
+        keys = self._may_hold("sample_latest", {sample_key(r): r["sample_id"] for r in rows})
+        found = self._lookup("SELECT key, revision, reward, accepted FROM sample_latest WHERE key IN ({})", list(keys))
+        return {keys[row["key"]]: row for row in found}
 
     def correct_revisions(self, rows: list[dict], stored: dict[str, dict]) -> None:
         """A revision is a correction: the rollup gets the difference from the latest earlier
@@ -216,10 +246,24 @@ class Sink:
             return
         fresh = self._fresh(table, rows)
         if fresh:
-            self.warehouse.insert(table, fresh)
+            try:
+                self.warehouse.insert(table, fresh)
+            except Exception:
+                self.forget_keys()  # part of the insert may be stored: the warehouse knows what
+                raise
+            self._remember(table, fresh)
             WRITES.labels(table).inc()
         ROWS.labels(table, "stored").inc(len(fresh))
         ROWS.labels(table, "duplicate").inc(len(messages) - len(fresh))
+
+    def _remember(self, table: str, stored: list[dict]) -> None:
+        """Stored rows' keys, into the filter of the key table they went to."""
+        if not self.remember_keys:
+            return
+        if table in KEYED:
+            self.filters["event_keys"].add([event_key(table, r["tenant"], r["event_id"]) for r in stored])
+        elif table == "samples":
+            self.filters["sample_latest"].add([sample_key(r) for r in stored])
 
     def parsed(self, topic: str, messages: list[bytes]) -> dict[tuple[str | None, str], dict]:
         """Each message's row by (tenant, event id), the first of repeats; one that does not
@@ -241,11 +285,25 @@ class Sink:
         return rows
 
 
+class KeysReloaded(ConsumerRebalanceListener):
+    """Partitions given to this sink may have been written by another sink until now: the
+    key filters are loaded again before the next batch's check."""
+
+    def __init__(self, sink: Sink) -> None:
+        self.sink = sink
+
+    async def on_partitions_revoked(self, revoked: list[TopicPartition]) -> None: ...
+
+    async def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
+        self.sink.forget_keys()
+
+
 async def consume(settings: Settings, sink: Sink, stop: asyncio.Event) -> None:
     consumer = AIOKafkaConsumer(
-        *TABLE_OF, bootstrap_servers=settings.bootstrap, group_id=GROUP,
+        bootstrap_servers=settings.bootstrap, group_id=GROUP,
         enable_auto_commit=False, auto_offset_reset="earliest", max_poll_records=2000,
     )
+    consumer.subscribe(list(TABLE_OF), listener=KeysReloaded(sink))
     await consumer.start()
     uncommitted: dict[str, int] = {}  # messages stored, by topic, whose offsets are not committed yet
     try:
@@ -374,7 +432,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI):
         app.state.warehouse = open_warehouse(settings)
         stop = asyncio.Event()
-        task = asyncio.create_task(consume(settings, Sink(app.state.warehouse), stop))
+        task = asyncio.create_task(consume(settings, Sink(app.state.warehouse, settings.warehouse.remember_keys), stop))
         app.state.consumer = task
         log(logger, "sink started", backend=settings.warehouse.kind)
         yield

@@ -133,6 +133,10 @@ class Warehouse(Protocol):
 
     def query(self, sql: str, fmt: str = "JSON") -> str: ...
 
+    def query_bytes(self, sql: str) -> bytes:
+        """A query whose text names its own (binary) output format."""
+        ...
+
     def insert(self, table: str, rows: list[dict]) -> None: ...
 
     def close(self) -> None: ...
@@ -157,6 +161,10 @@ class ChdbBackend:
     def query(self, sql: str, fmt: str = "JSON") -> str:
         with self._lock:
             return self._session.query(sql, fmt).bytes().decode()
+
+    def query_bytes(self, sql: str) -> bytes:
+        with self._lock:
+            return self._session.query(sql).bytes()
 
     def insert(self, table: str, rows: list[dict]) -> None:
         body = "\n".join(json.dumps(r, default=str) for r in rows)
@@ -191,6 +199,10 @@ class ServerBackend:
     def query(self, sql: str, fmt: str = "JSON") -> str:
         with self._lock:
             return self._client.raw_query(sql, fmt=fmt).decode()
+
+    def query_bytes(self, sql: str) -> bytes:
+        with self._lock:
+            return self._client.raw_query(sql)
 
     def insert(self, table: str, rows: list[dict]) -> None:
         body = "\n".join(json.dumps(r, default=str) for r in rows).encode()

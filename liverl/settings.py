@@ -126,6 +126,10 @@ class WarehouseWrites(Config):
         0.5, ge=0, le=10, description="How long the sink gathers events before it writes them: ClickHouse "
         "wants few large inserts, and each write costs a duplicate check and an insert, whatever its size.",
     )
+    remember_keys: bool = Field(
+        True, description="Hold an 8-byte hash of every stored row's key in the sink's memory (80 MB for ten "
+        "million rows), so ClickHouse is asked only about rows it may hold: nearly every row is new.",
+    )
 
 
 class ChdbWarehouse(WarehouseWrites):

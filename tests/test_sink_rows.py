@@ -10,6 +10,7 @@ from datetime import UTC, datetime
 from types import SimpleNamespace
 
 import pytest
+from aiokafka import ConsumerRebalanceListener
 from aiokafka.errors import UnknownError
 from aiokafka.structs import TopicPartition
 
@@ -92,19 +93,23 @@ def test_an_event_replayed_long_after_it_was_stored_is_stored_once(sink):
     assert query_json(sink.warehouse, "SELECT count() AS n FROM samples WHERE sample_id = 'acme:late-1'") == [{"n": 1}]
 
 
-def test_revisions_of_many_samples_are_checked_with_one_query(sink):
-    sink.store(Topics.SAMPLES, [sample(f"many-{i}", 0, 0.0, False) for i in range(30)])
+def counting_queries(sink: Sink, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The sink's lookups from now on (until `monkeypatch.undo`), recorded; the real chdb answers them."""
     queries: list[str] = []
     real = sink.warehouse.query
 
     def counted(sql: str, fmt: str = "JSON") -> str:
         queries.append(sql)
         return real(sql, fmt)
-    sink.warehouse.query = counted  # type: ignore[method-assign]  # counts, the real chdb answers
-    try:
-        sink.store(Topics.SAMPLES, [sample(f"many-{i}", 1, 1.0, True) for i in range(30)])
-    finally:
-        sink.warehouse.query = real  # type: ignore[method-assign]
+    monkeypatch.setattr(sink.warehouse, "query", counted)
+    return queries
+
+
+def test_revisions_of_many_samples_are_checked_with_one_query(sink, monkeypatch):
+    sink.store(Topics.SAMPLES, [sample(f"many-{i}", 0, 0.0, False) for i in range(30)])
+    queries = counting_queries(sink, monkeypatch)
+    sink.store(Topics.SAMPLES, [sample(f"many-{i}", 1, 1.0, True) for i in range(30)])
+    monkeypatch.undo()
     assert len(queries) == 1  # the stored revisions, which also say which are stored
     rows = query_json(sink.warehouse, "SELECT sum(count_delta) AS n, sum(reward_delta) AS reward FROM samples "
                                       "WHERE startsWith(sample_id, 'acme:many-')")
@@ -235,6 +240,8 @@ class CommitFailsOnce:
     def __init__(self, batches: list[list[bytes]], done: asyncio.Event) -> None:
         self.batches, self.done, self.commits = batches, done, 0
 
+    def subscribe(self, topics: list[str], listener: ConsumerRebalanceListener) -> None: ...
+
     async def start(self) -> None: ...
 
     async def stop(self) -> None: ...
@@ -265,9 +272,47 @@ def test_a_commit_the_broker_fails_does_not_stop_the_sink(sink, settings, monkey
 
     stop = asyncio.Event()
     consumer = CommitFailsOnce([[event("commit-1")], [], [event("commit-2")], []], stop)
-    monkeypatch.setattr(feedback.sink, "AIOKafkaConsumer", lambda *topics, **config: consumer)
+    monkeypatch.setattr(feedback.sink, "AIOKafkaConsumer", lambda **config: consumer)
     asyncio.run(feedback.sink.consume(settings, sink, stop))
     assert consumer.commits == 2
     rows = query_json(sink.warehouse, "SELECT event_id FROM feedback_events WHERE event_id LIKE 'commit-%' "
                                       "ORDER BY event_id")
     assert rows == [{"event_id": "commit-1"}, {"event_id": "commit-2"}]
+
+
+def test_new_rows_are_not_looked_up_and_repeats_still_are(sink, monkeypatch):
+    """The key filter: a batch of new events and samples asks ClickHouse nothing before its
+    insert; the same batch again is looked up, found, and stored once."""
+    events = [encode(FeedbackEvent(event_id=f"filtered-{i}", tenant="acme", timestamp="2026-11-30T00:00:00Z",
+                                   body={"kind": "accept", "completion_id": "c"})) for i in range(40)]
+    samples = [sample(f"filtered-{i}", 0, 1.0, True) for i in range(40)]
+    sink.store(Topics.FEEDBACK, events[:1])  # the filters are loaded by a first check
+    sink.store(Topics.SAMPLES, samples[:1])
+    queries = counting_queries(sink, monkeypatch)
+    sink.store(Topics.FEEDBACK, events[1:])
+    sink.store(Topics.SAMPLES, samples[1:])
+    assert queries == []
+    sink.store(Topics.FEEDBACK, events)
+    sink.store(Topics.SAMPLES, [*samples, sample("filtered-0", 1, 0.0, False)])
+    assert len(queries) == 2
+    monkeypatch.undo()
+    assert query_json(sink.warehouse, "SELECT count() AS n FROM feedback_events WHERE startsWith(event_id, "
+                                      "'filtered-')") == [{"n": 40}]
+    assert query_json(sink.warehouse, "SELECT sum(count_delta) AS n, sum(reward_delta) AS reward FROM samples "
+                                      "WHERE startsWith(sample_id, 'acme:filtered-')") == [{"n": 40, "reward": 39}]
+
+
+def test_rows_another_sink_wrote_are_found_once_partitions_are_given(sink):
+    """A row written behind this sink's back (another sink, before this one was given its
+    partition) is found after the assignment, as a restarted sink finds what it stored."""
+    event = FeedbackEvent(event_id="elsewhere-1", tenant="acme", timestamp="2026-11-30T00:00:00Z",
+                          body={"kind": "accept", "completion_id": "c"})
+    sink.store(Topics.FEEDBACK, [encode(event.model_copy(update={"event_id": "elsewhere-0"}))])
+    sink.warehouse.insert("feedback_events", [feedback_row(event)])
+    asyncio.run(feedback.sink.KeysReloaded(sink).on_partitions_assigned([TopicPartition(Topics.FEEDBACK, 0)]))
+    sink.store(Topics.FEEDBACK, [encode(event)])
+    restarted = Sink(sink.warehouse)
+    restarted.store(Topics.FEEDBACK, [encode(event), encode(event.model_copy(update={"event_id": "elsewhere-0"}))])
+    assert query_json(sink.warehouse, "SELECT event_id, count() AS n FROM feedback_events WHERE startsWith("
+                                      "event_id, 'elsewhere-') GROUP BY event_id ORDER BY event_id") == [
+        {"event_id": "elsewhere-0", "n": 1}, {"event_id": "elsewhere-1", "n": 1}]
