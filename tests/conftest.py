@@ -49,7 +49,8 @@ def settings(tmp_path_factory: pytest.TempPathFactory, starter_dir: Path) -> Set
         starter=StarterPolicyConfig(model_dir=starter_dir),
         # Two replicas: swaps roll out canary first, and one serves while the other swaps;
         # a canary gets a quarter of the sessions.
-        serving=ServingConfig(replicas=2, kv_cache_gib=1, canary_share=0.25),
+        # An engine starts in about 50 s here alone, 2-3 times that on a slow day (CI, Nov 29).
+        serving=ServingConfig(replicas=2, kv_cache_gib=1, canary_share=0.25, start_timeout_s=480),
         stream_cpus=[0],  # every machine has a CPU 0
         # A window outlasts a restart of the stream and the broker (tests/test_stream_restart.py),
         # and the feedback sent after it: 22-25 s from the kill to a recovered table on two

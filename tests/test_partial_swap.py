@@ -16,6 +16,7 @@ import pytest
 
 from liverl.pool import Pool, read_pool, replica_client, write_pool
 from liverl.probe import PROBE_FILE
+from liverl.process import stop_pid
 from liverl.settings import ServingConfig, Settings
 
 TOLERANCE = 1e-4
@@ -56,7 +57,9 @@ def served(tmp_path_factory: pytest.TempPathFactory, starter_dir: Path):
     from serving.replicas import launch_replica, replica_url, wait_replica
 
     root = tmp_path_factory.mktemp("partial-swap")
-    settings = Settings(data_dir=root / "data", serving=ServingConfig(replicas=1, kv_cache_gib=1))
+    # 68 s to start on this machine alone; 207 s in CI on a slow day (Nov 29).
+    settings = Settings(data_dir=root / "data", serving=ServingConfig(replicas=1, kv_cache_gib=1,
+                                                                      start_timeout_s=480))
     parent = import_version(settings, starter_dir, actor="test")
     parent_dir = Path(parent.model_dir)
     replica, process = launch_replica(settings, "replica-0", parent_dir, replica_url(settings, 0), parent.version)
@@ -75,8 +78,7 @@ def served(tmp_path_factory: pytest.TempPathFactory, starter_dir: Path):
         wait_replica(settings, replica, process)
         yield settings, parent_dir, versions
     finally:
-        process.terminate()
-        process.wait(60)
+        stop_pid(process.pid, timeout=60)  # its engine too (a wait for the server alone timed out in CI)
 
 
 def holds(url: str) -> str:

@@ -34,6 +34,7 @@ from learner.trainer import Trainer, collate
 from liverl.contracts import RewardedSample, RoutedExperts, Topics
 from liverl.kafka import read_topic
 from liverl.pool import Replica, edit_pool, read_pool, replica_lock
+from liverl.process import stop_pid
 from liverl.settings import LearnerConfig, Settings
 from policies.registry import Registry
 from serving.swap import VerificationFailed, verify
@@ -112,8 +113,7 @@ def bf16_replica(settings: Settings, stack, tmp_path_factory):
         wait_replica(bf16, replica, process)
         yield replica
     finally:
-        process.terminate()
-        process.wait(60)
+        stop_pid(process.pid, timeout=60)  # its engine too (a wait for the server alone timed out in CI)
 
 
 def preemptions(url: str) -> float:
