@@ -8,8 +8,9 @@ production accept and held-out pass rate (`day.stable_skill`), whether any stabl
 significantly below the starter on the held-out tasks (the held-out watch's own test:
 the exact sign test on the same tasks at `promotion.false_abort_rate`, more than
 `heldout_margin` below); the last stable's held-out pass rate against the starter's; the
-candidates the skill guard held. Prints each run, the median and the range, and writes a
-markdown report.
+candidates the skill guard held. From each run's registry: how long the starter stayed
+stable, the canaries given up undecided, the versions trained and those that took a smaller
+step. Prints each run, the median and the range, and writes a markdown report.
 
     .venv/bin/python benchmarks/bench_day_skill.py --seeds 0 --seeds 1 --seeds 2 --seeds 3 --seeds 4 \\
         --minutes 8 --day-minutes 4 --heldout 200 --out bench-day-skill/run
@@ -28,6 +29,8 @@ from pathlib import Path
 import typer
 from rich.console import Console
 from rich.table import Table
+
+from policies.registry import Registry
 
 ROOT = Path(__file__).resolve().parents[1]
 console = Console()
@@ -48,7 +51,18 @@ def run(seed: int, minutes: float, day_minutes: float, heldout: int, out: Path, 
     return result
 
 
-def row(seed: int, r: dict) -> dict:
+def registry_readings(registry: Registry) -> dict:
+    """What the summary does not say: the time to the first promotion (from the registry's first
+    event), canaries given up undecided, versions trained, and those stepped at a smaller lr."""
+    events = registry.history()
+    promoted = [e["at"] for e in events if e["from"] == "canary" and e["to"] == "stable"]
+    return {"first_promotion_s": round(promoted[0] - events[0]["at"]) if promoted else None,
+            "undecided": sum(e["to"] == "superseded" and (e["reason"] or "").startswith("undecided") for e in events),
+            "versions": len(registry.versions()) - 1,
+            "smaller_steps": sum((v.metrics.get("lr_scale") or 1) < 1 for v in registry.versions())}
+
+
+def row(seed: int, r: dict, registry: Registry) -> dict:
     day = r["day"]
     stables = day["stable_skill"]
     scored = [s for s in stables if s["heldout_pass_rate"] is not None]
@@ -58,7 +72,12 @@ def row(seed: int, r: dict) -> dict:
             "held_for_skill": len(day["held_for_skill"]), "starter_heldout": starter,
             "last_stable": scored[-1]["version"], "last_stable_heldout": last, "gain_points": 100 * (last - starter),
             "best_stable_heldout": max(s["heldout_pass_rate"] for s in scored),
-            "guard_stopped": len(r.get("guard", [])), "wall_s": r["wall_s"]}
+            "guard_stopped": len(r.get("guard", [])), "evaluation_s_max": day["skill_guard"]["evaluation_s"]["max"],
+            "p99_peak_s": day["latency_p99_s"]["peak"], **registry_readings(registry), "wall_s": r["wall_s"]}
+
+
+def seconds(value: float | None, none: str = "none", digits: int = 0) -> str:
+    return none if value is None else f"{value:.{digits}f} s"
 
 
 def report(rows: list[dict], command: str) -> str:
@@ -67,12 +86,16 @@ def report(rows: list[dict], command: str) -> str:
     lines = [f"`{command}`", "", f"{time.strftime('%a %b %d %H:%M UTC %Y', time.gmtime())}; {cpu}, "
              f"{os.cpu_count()} CPUs", "",
              "| seed | last two minutes | stables (scored) | below the starter | held for skill | held-out: starter "
-             "| last stable | best stable | points gained |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| last stable | best stable | points gained | first promotion | given up undecided | versions "
+             "(smaller steps) | longest evaluation | p99 at the peak |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
+        first = seconds(r["first_promotion_s"], "never")
         lines.append(f"| {r['seed']} | {r['last_2_min']:.3f} | {r['stables']} ({r['stables_scored']}) | "
                      f"{r['below_starter']} | {r['held_for_skill']} | {r['starter_heldout']:.3f} | "
                      f"{r['last_stable']} {r['last_stable_heldout']:.3f} | {r['best_stable_heldout']:.3f} | "
-                     f"{r['gain_points']:+.1f} |")
+                     f"{r['gain_points']:+.1f} | {first} | {r['undecided']} | {r['versions']} ({r['smaller_steps']}) | "
+                     f"{seconds(r['evaluation_s_max'])} | {seconds(r['p99_peak_s'], digits=2)} |")
     last, gain = [r["last_2_min"] for r in rows], [r["gain_points"] for r in rows]
     lines += ["", f"Last two minutes: median {statistics.median(last):.3f} ({min(last):.3f}-{max(last):.3f}), "
               f"{sum(x >= 0.9 for x in last)} of {len(rows)} at 0.90 or more. Stables below the starter: "
@@ -94,13 +117,14 @@ def main(seeds: list[int] = typer.Option([0, 1, 2, 3, 4], help="One day per seed
     for seed in seeds:
         console.print(f"seed {seed}: liverl demo --load day --minutes {minutes} --day-minutes {day_minutes} "
                       f"--heldout {heldout}")
+        seed_dir = data_dir.resolve() / f"seed-{seed}"
         try:
             result = run(seed, minutes, day_minutes, heldout, out / f"seed-{seed}",
-                         dict(env, LIVERL_DATA_DIR=str(data_dir.resolve() / f"seed-{seed}")))
+                         dict(env, LIVERL_DATA_DIR=str(seed_dir)))
         except subprocess.CalledProcessError:  # a stack that did not start (say): told, and the next seed
             console.print(f"[red]seed {seed} failed[/red]: see {out / f'seed-{seed}' / 'demo.log'}")
             continue
-        rows.append(row(seed, result))
+        rows.append(row(seed, result, Registry(seed_dir / "demo" / "policies")))
         console.print(rows[-1])
         (out / "runs.json").write_text(json.dumps(rows, indent=2))
     table = Table(title=f"the day, {minutes} min, day of {day_minutes} min, {heldout} held-out tasks")
