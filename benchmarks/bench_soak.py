@@ -311,7 +311,8 @@ def soak(settings: Settings, rate: float, minutes: float, run: str) -> tuple[Loa
 
 
 def summary(cap: dict, rate: float, load: Load, readings: list[dict], found: tuple[int, int], drain_s: float) -> dict:
-    warm = next(r for r in readings if r["t"] >= 60)  # memory after the first minute's warm-up
+    # Memory after the first minute's warm-up (a shorter soak: its first reading).
+    warm = next((r for r in readings if r["t"] >= 60), readings[0])
     last = readings[-1]
     growth = {name: (last["rss_mib"].get(name, 0) - warm["rss_mib"][name]) for name in warm["rss_mib"]}
     return {"capacity": cap, "rate": rate, "acknowledged": load.acknowledged, "refused": load.refused,
@@ -347,7 +348,9 @@ def main(minutes: float = typer.Option(10.0, help="How long the soak lasts."),
         console.print(f"the stack settled in {settle(settings, 0.25):.0f} s")
         cap = capacity(settings, probe_s, probe_rate) if rate is None else {"events_per_s": rate / share, "given": True}
         rate = share * cap["events_per_s"]
-        console.print(f"capacity {cap['events_per_s']:,.0f} events/s: soaking at {rate:,.0f} for {minutes} min")
+        stages = ", ".join(f"{stage} {r:,.0f}/s" for stage, r in cap.get("rates_per_s", {}).items())
+        console.print(f"capacity {cap['events_per_s']:,.0f} events/s ({stages}): soaking at {rate:,.0f} "
+                      f"for {minutes} min")
         load, readings = soak(settings, rate, minutes, run)
         drain_s = caught_up(settings)
         result = summary(cap, rate, load, readings, stored(settings, run), drain_s)
