@@ -29,8 +29,9 @@ def sql(settings: Settings, query: str) -> list[dict]:
 
 
 # The machine CI runs on is shared, and at times about half as fast as the one the waits were
-# set on (Nov 29: the suite took 51 min, not 27, and engines 2-3 times as long to start): every
-# wait allows for that. A condition met early returns at once, so a passing run loses nothing.
+# set on (Nov 29: the suite took 51 min there, 29 for the same commit an hour later, and engines
+# 2-3 times as long to start): every wait allows for that. A condition met early returns at once,
+# so a passing run loses nothing.
 SLOW_MACHINE = 2.0
 
 
