@@ -54,12 +54,12 @@ def run(seed: int, minutes: float, day_minutes: float, heldout: int, out: Path, 
 def registry_readings(registry: Registry) -> dict:
     """What the summary does not say: the time to the first promotion (from the registry's first
     event), canaries given up undecided, versions trained, and those stepped at a smaller lr."""
-    events = registry.history()
+    events, versions = registry.history(), registry.versions()
     promoted = [e["at"] for e in events if e["from"] == "canary" and e["to"] == "stable"]
     return {"first_promotion_s": round(promoted[0] - events[0]["at"]) if promoted else None,
             "undecided": sum(e["to"] == "superseded" and (e["reason"] or "").startswith("undecided") for e in events),
-            "versions": len(registry.versions()) - 1,
-            "smaller_steps": sum((v.metrics.get("lr_scale") or 1) < 1 for v in registry.versions())}
+            "versions": len(versions) - 1,
+            "smaller_steps": sum((v.metrics.get("lr_scale") or 1) < 1 for v in versions)}
 
 
 def row(seed: int, r: dict, registry: Registry) -> dict:
