@@ -50,7 +50,7 @@ from liverl.pool import read_pool
 from liverl.process import serve_beside
 from liverl.settings import Settings, get_settings
 from policies.divergence import kl_between
-from policies.offline_eval import offline_check, snis
+from policies.offline_eval import offline_check, snis, snis_difference
 from policies.registry import PolicyVersion, Registry, SampleWindow
 from sync.transport import ship
 
@@ -406,10 +406,11 @@ class Learner:
         if self.holdout:
             started = time.time()
             rewards = torch.tensor([s.reward for s in self.holdout])
-            candidate_ratios = self.trainer.mean_log_ratios(self.holdout)
-            candidate = snis(candidate_ratios, rewards, self.config.gate_clip)
-            parent = snis(self.parent_log_ratios(), rewards, self.config.gate_clip)
-            verdict = offline_check(candidate, parent, self.config.gate_margin, self.config.gate_min_ess,
+            candidate_ratios, parent_ratios = self.trainer.mean_log_ratios(self.holdout), self.parent_log_ratios()
+            clip = self.config.gate_clip
+            verdict = offline_check(snis(candidate_ratios, rewards, clip), snis(parent_ratios, rewards, clip),
+                                    snis_difference(candidate_ratios, parent_ratios, rewards, clip),
+                                    self.config.gate_margin, self.config.gate_min_ess,
                                     self.kl_from_stable(staged), self.config.gate_max_kl)
             metrics["gate"] = verdict.model_dump()
             metrics["gate_seconds"] = time.time() - started

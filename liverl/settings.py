@@ -475,7 +475,8 @@ class LearnerConfig(Config):
         default_factory=list, description="Tenants whose data never trains (still stored and reported)."
     )
     holdout_fraction: Fraction = Field(0.15, description="Share of samples kept out of training for the gate.")
-    gate_margin: float = Field(0.05, ge=0.0, description="Candidate's lower bound may trail the parent by this.")
+    gate_margin: float = Field(0.05, ge=0.0, description="How far below zero the 95% lower bound of candidate "
+                               "minus parent (on the same held-out samples) may be.")
     gate_min_ess: float = Field(8.0, ge=0.0, description="Fewest effective held-out samples for a verdict.")
     gate_clip: float = Field(2.0, ge=1.0, description="Clip of the per-token geometric-mean sequence weight.")
     gate_max_kl: float | None = Field(None, gt=0, description="Ceiling on the mean per-token KL(stable || "

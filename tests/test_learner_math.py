@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import shutil
 
 import pytest
@@ -24,7 +25,7 @@ from learner.rl import (
     sequence_ratio,
     version_minibatches,
 )
-from policies.offline_eval import offline_check, snis
+from policies.offline_eval import offline_check, snis, snis_difference
 
 
 def tiny_moe(seed: int = 0) -> Qwen3MoeForCausalLM:
@@ -163,19 +164,57 @@ def test_router_replay_forces_served_routing_and_reports_mismatch():
         assert torch.allclose(model(input_ids=ids).logits, plain, atol=1e-6)
 
 
+def gate(candidate_log_ratio, parent_log_ratio, rewards, margin=0.0, **kwargs):
+    """offline_check on the same held-out samples, as the learner calls it."""
+    return offline_check(snis(candidate_log_ratio, rewards), snis(parent_log_ratio, rewards),
+                         snis_difference(candidate_log_ratio, parent_log_ratio, rewards), margin, min_ess=5, **kwargs)
+
+
 def test_offline_gate_needs_evidence():
     rewards = torch.tensor([1.0, 0.0] * 20)
-    same = snis(torch.zeros(40), rewards)
-    better = snis(torch.where(rewards > 0, 0.3, -0.3), rewards)
-    assert offline_check(better, same, margin=0.0, min_ess=5).passed
-    assert not offline_check(snis(torch.zeros(3), rewards[:3]), same, margin=0.0, min_ess=5).passed
-    worse = snis(torch.where(rewards > 0, -0.6, 0.6), rewards)
-    assert not offline_check(worse, same, margin=0.0, min_ess=5).passed
+    same, better = torch.zeros(40), torch.where(rewards > 0, 0.3, -0.3)
+    assert gate(better, same, rewards).passed
+    assert not gate(same[:3], same[:3], rewards[:3]).passed  # too few samples for a verdict
+    assert not gate(torch.where(rewards > 0, -0.6, 0.6), same, rewards).passed
     # Better on the logs, but too far from what users get now: held at the gate.
-    far = offline_check(better, same, margin=0.0, min_ess=5, kl_from_stable=0.3, max_kl=0.1)
+    far = gate(better, same, rewards, kl_from_stable=0.3, max_kl=0.1)
     assert not far.passed and far.reason == "moved too far from stable: KL 0.3000 > ceiling 0.1"
     assert far.too_far_from_stable
-    assert offline_check(better, same, margin=0.0, min_ess=5, kl_from_stable=0.05, max_kl=0.1).passed
+    assert gate(better, same, rewards, kl_from_stable=0.05, max_kl=0.1).passed
+
+
+def test_offline_gate_judges_the_difference_on_the_same_samples():
+    """Both estimates are made on the same samples, so their noise is shared: a candidate
+    a little off its parent passes on 40 samples, where its own interval (about +-0.15 at a
+    pass rate of one half) alone would have needed several hundred for a margin of 0.1; one
+    that moved weight from passes to failures by as much as the margin is held."""
+    rewards = torch.tensor([1.0, 0.0] * 20)
+    parent = torch.linspace(-0.2, 0.2, 40)
+    close = parent + torch.where(rewards > 0, -0.02, 0.02)
+    verdict = gate(close, parent, rewards, margin=0.1)
+    assert verdict.passed and verdict.candidate.lower < verdict.parent.value - 0.1
+    assert verdict.difference.value < 0 and verdict.difference.lower > -0.1
+    assert not gate(parent + torch.where(rewards > 0, -0.4, 0.4), parent, rewards, margin=0.1).passed
+
+
+def test_the_offline_gate_is_calibrated_at_its_margin():
+    """Simulated held-out logs (a reward of one with probability 0.3, the parent the logging
+    policy): a candidate as good as its parent passes nearly always on 50 samples, and one whose
+    true value is the margin (0.1) below its parent's passes about as often as the 95% bound
+    allows (2.5% expected)."""
+    generator = torch.Generator().manual_seed(0)
+
+    def passes(gap: float, n: int = 50, p: float = 0.3) -> bool:
+        rewards = (torch.rand(n, generator=generator) < p).float()
+        parent = 0.05 * torch.randn(n, generator=generator)
+        # Weight moved off the passes so that the candidate's true value is p - gap, and
+        # moved at random besides (a candidate is never its parent exactly).
+        moved = torch.where(rewards > 0, math.log((p - gap) / p), math.log((1 - p + gap) / (1 - p)))
+        candidate = parent + moved + 0.1 * torch.randn(n, generator=generator)
+        return gate(candidate, parent, rewards, margin=0.1).passed
+
+    assert sum(passes(0.0) for _ in range(400)) >= 0.95 * 400
+    assert sum(passes(0.1) for _ in range(400)) <= 0.06 * 400
 
 
 def test_kl_between_versions_is_zero_for_the_same_weights_and_grows_with_a_change(starter_dir, tmp_path):
