@@ -50,7 +50,7 @@ from liverl.pool import read_pool
 from liverl.process import serve_beside
 from liverl.settings import Settings, get_settings
 from policies.divergence import kl_between
-from policies.offline_eval import offline_check, snis, snis_difference
+from policies.offline_eval import Verdict, offline_check, snis, snis_difference
 from policies.registry import PolicyVersion, Registry, SampleWindow
 from sync.transport import ship
 
@@ -405,14 +405,8 @@ class Learner:
         metrics["export_seconds"] = time.time() - started
         if self.holdout:
             started = time.time()
-            rewards = torch.tensor([s.reward for s in self.holdout])
-            candidate_ratios, parent_ratios = self.trainer.mean_log_ratios(self.holdout), self.parent_log_ratios()
-            clip = self.config.gate_clip
-            verdict = offline_check(snis(candidate_ratios, rewards, clip), snis(parent_ratios, rewards, clip),
-                                    snis_difference(candidate_ratios, parent_ratios, rewards, clip),
-                                    self.config.gate_margin, self.config.gate_min_ess,
-                                    self.kl_from_stable(staged), self.config.gate_max_kl)
-            metrics["gate"] = verdict.model_dump()
+            candidate_ratios = self.trainer.mean_log_ratios(self.holdout)
+            metrics["gate"] = self.offline_gate(candidate_ratios, staged).model_dump()
             metrics["gate_seconds"] = time.time() - started
         # Named after the version once the registry has given it its name (after a rewind
         # the next version is not current + 1); a crash in between loses only this
@@ -448,6 +442,15 @@ class Learner:
             if not (self.settings.policies_dir / state.stem).exists():
                 state.unlink()
         return version
+
+    def offline_gate(self, candidate_ratios: torch.Tensor, staged: Path) -> Verdict:
+        """The candidate against its parent on the held-out samples (policies/offline_eval.py)."""
+        rewards = torch.tensor([s.reward for s in self.holdout])
+        parent_ratios, clip = self.parent_log_ratios(), self.config.gate_clip
+        return offline_check(snis(candidate_ratios, rewards, clip), snis(parent_ratios, rewards, clip),
+                             snis_difference(candidate_ratios, parent_ratios, rewards, clip),
+                             self.config.gate_margin, self.config.gate_min_ess,
+                             self.kl_from_stable(staged), self.config.gate_max_kl)
 
     def stable(self) -> PolicyVersion:
         """What users get: the starter is stable from the start, and a version leaves stable
