@@ -253,7 +253,10 @@ class CommitFailsOnce:
             return {TopicPartition(Topics.FEEDBACK, 0): [SimpleNamespace(value=v) for v in self.batches.pop(0)]}
         if not self.batches:
             self.done.set()
-        await asyncio.sleep(timeout_ms / 1000)
+        # Nothing: a whole timeout and a little more, as a real poll may, so that the sink's
+        # window closes here (timeout_ms is truncated to the ms: a remainder below it made the
+        # sink poll again at once and take the next batch into the same write, one commit).
+        await asyncio.sleep(timeout_ms / 1000 + 0.01)
         return {}
 
     async def commit(self) -> None:
