@@ -87,23 +87,22 @@ def utc(t: float) -> str:
 
 class QuietWatch:
     """Whether production traffic has been too thin to judge a canary on for `quiet_s`:
-    the answers served so far, sampled over time, grew by at most `per_s` a second."""
+    the gateway routed at most `per_s` requests a second at every look since then. Read
+    live from the gateway, not from the warehouse: at a peak on shared cores the sink may
+    be tens of seconds behind, and its stored answers stand still while users are served."""
 
     def __init__(self, quiet_s: float, per_s: float = 0.0):
         self.quiet_s = quiet_s
         self.per_s = per_s
-        self.key: str | None = None  # what is counted (the canary)
-        self.samples: deque[tuple[float, int]] = deque()  # (when, answers so far)
+        self.key: str | None = None  # what is watched (the canary)
+        self.busy_at = 0.0  # the last look with traffic (or the watch's first look)
 
-    def quiet(self, key: str, answers: int, now: float) -> bool:
+    def quiet(self, key: str, requests_per_s: float, now: float) -> bool:
         if key != self.key:
-            self.key, self.samples = key, deque()
-        self.samples.append((now, answers))
-        # Keep the newest sample at or before the window's start: the window is then whole.
-        while len(self.samples) > 1 and self.samples[1][0] <= now - self.quiet_s:
-            self.samples.popleft()
-        since, then = self.samples[0]
-        return now - since >= self.quiet_s and answers - then <= self.per_s * (now - since)
+            self.key, self.busy_at = key, now
+        if requests_per_s > self.per_s:
+            self.busy_at = now
+        return now - self.busy_at >= self.quiet_s
 
 
 @dataclass
@@ -156,13 +155,17 @@ class Controller:
     def figures(self, versions: list[str], since: float, until: float) -> Figures:
         return Figures(self.figure_rows(versions, since, until))
 
-    def production_traffic(self) -> bool:
-        """Whether the gateway routed enough production requests lately to judge a canary on
-        (its `/admin/load`)."""
+    def production_requests_per_s(self) -> float:
+        """Production requests the gateway routed per second lately (its `/admin/load`);
+        infinite when it does not answer: unknown, behave as without the thin-traffic rules."""
         try:
-            return read_gateway_load(self.settings, self.http).requests_per_s > self.config.quiet_requests_per_s
+            return read_gateway_load(self.settings, self.http).requests_per_s
         except httpx.HTTPError:
-            return True  # unknown: behave as without the setting
+            return float("inf")
+
+    def production_traffic(self) -> bool:
+        """Whether there is enough production traffic to judge a canary on."""
+        return self.production_requests_per_s() > self.config.quiet_requests_per_s
 
     def serving_figures(self, versions: list[str], since: float, until: float) -> dict[str, dict]:
         """The sink's `/serving-figures`: per version, answers, server errors, p50 and p99 latency."""
@@ -374,14 +377,14 @@ class Controller:
             verdict = "non_inferior"
         elif age > self.config.max_canary_s or canary_n >= self.config.max_samples:
             verdict = "inconclusive"
-        served = self.serving_figures([stable.version, canary.version], info["started_at"], now)
         if self.quiet is not None and verdict == "continue" and self.quiet.quiet(
-                canary.version, sum(int(row.get("requests", 0)) for row in served.values()), now):
+                canary.version, self.production_requests_per_s(), now):
             # Nobody to judge it: production's second replica is worth more to rollouts now.
             self.promoter.abort(canary.version, ACTOR, f"no production traffic for {self.quiet.quiet_s:.0f} s "
                                 f"to judge it; a newer candidate is judged when traffic returns",
                                 state="superseded")
             return None
+        served = self.serving_figures([stable.version, canary.version], info["started_at"], now)
         serving = self.serving_checks(served, stable.version, canary.version)
         if failing := [c for c in serving if c.decision == "worse"]:
             verdict = "worse"  # failing or slow answers: whatever the feedback says

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 from test_capacity import fake_swaps, versions
 
+from liverl.load import GatewayLoad
 from liverl.pool import Pool, Replica, read_pool, write_pool
 from liverl.settings import Settings
 from policies.registry import Registry
@@ -161,3 +162,36 @@ def test_an_idle_controller_does_not_undo_a_rollback_another_process_is_making(m
         fcntl.flock(other_process, fcntl.LOCK_EX)
         controller.step()
         assert swaps == []
+
+
+def test_a_canary_stands_down_only_when_the_gateway_routes_no_traffic_not_when_the_warehouse_lags(
+        monkeypatch, guarded):
+    """The day's second peak on two cores put the sink 42 s behind the stream: the answers
+    it had stored stood still for 15 s while the gateway routed a dozen requests a second,
+    and three canaries in a row stood down "for want of production traffic" (Nov 30, the
+    paired gate's seed 2: v26, v27, v28). Quiet is the gateway's routing, read live."""
+    settings, registry, _, rates = guarded
+    settings.promotion.quiet_canary_s = 15.0
+    controller = Controller(settings)
+    fake_swaps(monkeypatch, settings)
+    clock, routed = [1000.0], [12.0]
+    monkeypatch.setattr("promotion.controller.time", SimpleNamespace(time=lambda: clock[0]))
+    monkeypatch.setattr("promotion.controller.read_gateway_load", lambda settings, client: GatewayLoad(
+        in_flight={}, waiting=0, requests_per_s=routed[0], window_s=5.0))
+    rates.update({"v0": (5, 3), "v1": (5, 3)})  # what the lagging sink has stored, and keeps
+    publish(registry, settings.data_dir)
+    controller.step()
+    assert registry.get("v1").state == "canary"
+    for _ in range(30):  # a minute of peak the warehouse has not caught up with
+        clock[0] += 2.0
+        controller.step()
+    assert registry.get("v1").state == "canary"
+    routed[0] = 0.0  # the trough
+    for _ in range(7):
+        clock[0] += 2.0
+        controller.step()
+    assert registry.get("v1").state == "canary"  # 14 s
+    clock[0] += 2.0
+    controller.step()
+    assert registry.get("v1").state == "superseded"
+    assert "no production traffic for 15 s" in registry.history("v1")[-1]["reason"]

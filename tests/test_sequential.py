@@ -89,29 +89,26 @@ def test_a_canary_at_the_margin_is_promoted_at_most_at_the_promotion_rate():
     assert promoted / 300 <= ALPHA
 
 
-def test_a_quiet_period_is_counted_from_the_last_answer():
+def test_a_quiet_period_is_counted_from_the_last_look_with_traffic():
     from promotion.controller import QuietWatch
 
     watch = QuietWatch(15.0)
-    assert not watch.quiet("v3", 10, now=100.0)
-    assert not watch.quiet("v3", 12, now=110.0)  # answers still coming
-    assert not watch.quiet("v3", 12, now=124.0)
-    assert watch.quiet("v3", 12, now=125.0)  # none for 15 s
-    assert not watch.quiet("v4", 12, now=126.0)  # another canary: counted afresh
+    assert not watch.quiet("v3", 0.0, now=100.0)  # counted from the watch's first look
+    assert not watch.quiet("v3", 2.4, now=110.0)  # the gateway still routes requests
+    assert not watch.quiet("v3", 0.0, now=124.0)
+    assert watch.quiet("v3", 0.0, now=125.0)  # none for 15 s
+    assert not watch.quiet("v4", 0.0, now=126.0)  # another canary: counted afresh
 
 
 def test_traffic_too_thin_to_judge_a_canary_on_counts_as_quiet():
-    """One user at night answers a few a second: below `per_s`, the canary stands down."""
+    """One user at night asks a few a second: below `per_s`, the canary stands down."""
     from promotion.controller import QuietWatch
 
     watch = QuietWatch(10.0, per_s=5.0)
-    answers = 0
     for second in range(10):  # 3 a second: under 5
-        assert not watch.quiet("v3", answers, now=100.0 + second)
-        answers += 3
-    assert watch.quiet("v3", answers, now=110.0)
-    answers += 30  # a burst: 57 in the last ten seconds, over 50
-    assert not watch.quiet("v3", answers, now=111.0)
+        assert not watch.quiet("v3", 3.0, now=100.0 + second)
+    assert watch.quiet("v3", 3.0, now=110.0)
+    assert not watch.quiet("v3", 5.7, now=111.0)  # a burst: over 5
 
 
 @pytest.mark.parametrize("p_stable, p_canary, verdict", [
