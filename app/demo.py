@@ -802,6 +802,11 @@ def demo_settings(day: bool = False) -> Settings:
         # of Nov 29: 0.215 -> 0.125 over ten stables, no step significant): once users accept 80%,
         # those versions take half the step (learner/mix.py: settled_step).
         defaults["learner"] |= {"settled_reward": 0.8, "settled_lr_scale": 0.5}
+        # The first version moved 0.14-0.71 nats a token from the starter (target 0.04) in ten of
+        # ten days of Nov 30, Adam's first updates each moving every weight by about the lr; in two
+        # of them it lost half the skill and was held, and the starter served until 201-203 s. The
+        # first 20 updates (about four versions) warm up (learner/rl.py: warmup_share).
+        defaults["learner"] |= {"lr_warmup_updates": 20}
         # Each canary waits for the candidate's held-out figures (the skill guard), about a second
         # of CPU once the starter's lines are scored. Niced, the evaluator gets what the peaks leave:
         # at 19 the starter's took 158 s (Nov 28); at 5, on a machine slow for this stack, up to 101

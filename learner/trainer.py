@@ -50,6 +50,7 @@ from learner.rl import (
     policy_shift,
     skill_anchor_loss,
     version_minibatches,
+    warmup_share,
 )
 from learner.segments import segments, turns_problem, written_tokens
 from learner.sharding import gathered, like, rank_and_world, resharded
@@ -336,6 +337,7 @@ class Trainer:
         watched, parent_watch = self.watch(samples[: self.config.minibatch])
         adam = copy.deepcopy(self.optimizer.state_dict()) if self.config.max_kl_from_parent is not None else None
         lr, step_lr, backtracks = self.lr, self.lr * lr_scale, 0
+        warm = warmup_share(self.updates_taken(), self.config.lr_warmup_updates) == 1.0
         steps, failed, shift = self.steps(samples, advantages, seed, step_lr, parent, reference, watched, parent_watch)
         full_step_kl = shift.get("kl_from_parent")
         while adam is not None and backtracked(shift.get("kl_from_parent"), self.config.max_kl_from_parent,
@@ -347,10 +349,10 @@ class Trainer:
         self.lr = lr
         anchor_drop = self.anchor_drop()
         # A smaller step's KL says nothing of what the full step would move: not adapted by it
-        # (a backtracked version's full step is its first).
-        if self.config.target_kl is not None and full_step_kl is not None and lr_scale == 1.0:
+        # (a backtracked version's full step is its first; a warming-up one's is still to come).
+        if self.config.target_kl is not None and full_step_kl is not None and lr_scale == 1.0 and warm:
             self.lr = adapted_lr(lr, full_step_kl, self.config.target_kl, self.config.lr_min, self.config.lr_max)
-        return {"samples": len(samples), "lr": step_lr, "backtracks": backtracks,
+        return {"samples": len(samples), "lr": step_lr, "backtracks": backtracks, "updates": self.updates_taken(),
                 "mean_reward": sum(s.reward for s in samples) / len(samples),
                 **summarise(steps, self.config.router_replay), **advantage_stats(advantages), **shift,
                 **anchor_drop,
@@ -454,8 +456,17 @@ class Trainer:
         stats = self.mismatch(batch, logp) if epoch == 0 else StepStats()
         stats.objective = objective
         stats.grad_norm = float(torch.nn.utils.clip_grad_norm_(self.trainable, 1.0))
+        lr = self.lr
+        self.lr = lr * warmup_share(self.updates_taken(), self.config.lr_warmup_updates)
         self.optimizer.step()
+        self.lr = lr
         return stats
+
+    def updates_taken(self) -> int:
+        """Adam's own count of the updates behind its state (saved with it and restored by a
+        rewind): where the policy is in its lr warmup."""
+        state = next(iter(self.optimizer.state.values()), None)
+        return int(state["step"]) if state else 0
 
     def mismatch(self, batch: Batch, logp: torch.Tensor) -> StepStats:
         """How far the learner's pass was from what served `batch`: the logprob of each written

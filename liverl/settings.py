@@ -453,6 +453,9 @@ class LearnerConfig(Config):
         "from its parent at half the lr, up to kl_backtracks times (`learner/rl.py: backtracked`, TRPO's line "
         "search); None: no limit.")
     kl_backtracks: int = Field(3, ge=1, description="Most times one version is trained again at half the lr.")
+    lr_warmup_updates: int = Field(0, ge=0, description="Optimizer updates over which the lr rises linearly to "
+                                   "its whole from 1/N of it (`learner/rl.py: warmup_share`), counted by Adam's own "
+                                   "state, so a restart or a rewind resumes the count; 0: no warmup.")
     lr_min: float = Field(1e-5, gt=0.0, le=1.0, description="Smallest lr the adaptive step size goes to.")
     lr_max: float = Field(1e-3, gt=0.0, le=1.0, description="Largest lr the adaptive step size goes to.")
     lora: LoraConfig | None = Field(None, description="Train low-rank adapters on a frozen base instead of "

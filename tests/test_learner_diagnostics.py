@@ -195,6 +195,24 @@ def test_a_version_that_ran_past_the_kl_limit_is_trained_again_from_its_parent_a
     assert stubborn.train(samples)["backtracks"] == 1
 
 
+def test_a_warming_up_policy_moves_less_in_its_first_updates_and_resumes_its_count(starter_dir: Path, tmp_path: Path):
+    """`learner.lr_warmup_updates`: Adam's first updates move every weight by about the lr, so
+    the policy's first version ran 4-18 times past the day's KL target. With a warmup the
+    first updates take 1/N, 2/N, ... of the lr; the count is Adam's own, saved with its state,
+    so a restarted learner goes on where it was; the adaptive step size waits for its end."""
+    samples = sampled(starter_dir, count=6)  # two updates a version at minibatch 3
+    config = LearnerConfig(minibatch=3, lr=1e-3, target_kl=1e-9)
+    cold = Trainer(starter_dir, config).train(samples)
+    warming = Trainer(starter_dir, config.model_copy(update={"lr_warmup_updates": 10}))
+    first = warming.train(samples)  # its updates at 0.1 and 0.2 of the lr: KL ~ lr^2
+    assert first["updates"] == 2 and first["kl_from_parent"] < cold["kl_from_parent"] / 10
+    assert warming.lr == 1e-3  # not adapted on a step smaller than the lr's
+    warming.save_state(tmp_path / "v1.pt")
+    resumed = Trainer(starter_dir, config.model_copy(update={"lr_warmup_updates": 10}), tmp_path / "v1.pt")
+    assert resumed.updates_taken() == 2
+    assert resumed.train(samples)["updates"] == 4
+
+
 def test_the_skill_anchor_holds_the_parents_likelihood_of_passed_completions_a_step_pushes_down(starter_dir: Path):
     """`learner.skill_anchor_coef`: a version whose production samples push down completions a
     rollout found right (here, the same completions rejected) keeps more of its parent's

@@ -24,6 +24,7 @@ from learner.rl import (
     policy_shift,
     sequence_ratio,
     version_minibatches,
+    warmup_share,
 )
 from policies.offline_eval import offline_check, snis, snis_difference
 
@@ -49,6 +50,13 @@ def test_the_adaptive_step_size_by_hand():
     assert adapted_lr(3e-4, kl=0.02, target_kl=0.02, lr_min=1e-5, lr_max=1e-3) == 3e-4
     assert adapted_lr(8e-4, kl=0.0, target_kl=0.02, lr_min=1e-5, lr_max=1e-3) == 1e-3
     assert adapted_lr(1.2e-5, kl=1.0, target_kl=0.02, lr_min=1e-5, lr_max=1e-3) == 1e-5
+
+
+def test_the_lr_warmup_by_hand():
+    """nanoGPT's linear warmup, counted in the policy's optimizer updates: the first of N
+    takes 1/N of the lr, the N-th the whole, and every one after it too; 0: no warmup."""
+    assert [warmup_share(n, 4) for n in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    assert warmup_share(0, 0) == 1.0
 
 
 def test_truncated_and_masked_importance_weights():
