@@ -805,7 +805,9 @@ def demo_settings(day: bool = False) -> Settings:
         # The first version moved 0.14-0.71 nats a token from the starter (target 0.04) in ten of
         # ten days of Nov 30, Adam's first updates each moving every weight by about the lr; in two
         # of them it lost half the skill and was held, and the starter served until 201-203 s. The
-        # first 20 updates (about four versions) warm up (learner/rl.py: warmup_share).
+        # first 20 updates (about four versions) warm up (learner/rl.py: warmup_share): v1 then moved
+        # 0.02-0.11 and none was held; the day's figures, five seeds each, were not told apart
+        # (0.875 and +2.5 points against 0.861 and +1.0: docs/benchmarks.md, "A warmup").
         defaults["learner"] |= {"lr_warmup_updates": 20}
         # Each canary waits for the candidate's held-out figures (the skill guard), about a second
         # of CPU once the starter's lines are scored. Niced, the evaluator gets what the peaks leave:
