@@ -1,5 +1,6 @@
 """Canaries that stood down "for want of production traffic" in runs of the day, and the
-requests users were served in the `--quiet-s` seconds before each (issue 46).
+requests users were served in the `promotion.quiet_canary_s` before each (issue 46; read
+from the run's own settings).
 
 Reads each seed's registry (the stand-downs) and its ClickHouse `requests` table (complete
 once the run is over: a record the broker did not take at the time is re-published from
@@ -46,12 +47,12 @@ def served_in(chdb_dir: Path, windows: list[tuple[float, float]]) -> list[int]:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def main(data_dir: Path = typer.Argument(..., help="bench_day_skill.py's --data-dir: seed-N/demo under it."),
-         quiet_s: float = typer.Option(15.0, help="The demo's promotion.quiet_canary_s.")) -> None:
+def main(data_dir: Path = typer.Argument(..., help="bench_day_skill.py's --data-dir: seed-N/demo under it.")) -> None:
     table = Table(title=f"canaries stood down for want of traffic, {data_dir}")
     for column in ("seed", "stood down", "with users served", "requests in the window before each"):
         table.add_column(column, justify="right")
     for demo in sorted(data_dir.glob("seed-*/demo")):
+        quiet_s = json.loads((demo / "run" / "settings.json").read_text())["promotion"]["quiet_canary_s"]
         downs = [e for e in Registry(demo / "policies").history()
                  if (e["reason"] or "").startswith("no production traffic")]
         served = served_in(demo / "chdb", [(e["at"] - quiet_s, e["at"]) for e in downs]) if downs else []
