@@ -13,7 +13,7 @@ from kafka import KafkaConsumer, TopicPartition
 from test_distributed_learner import sampled
 
 from learner.service import held_out
-from learner.trainer import Trainer
+from learner.trainer import Trainer, collate, token_logprobs
 from liverl.contracts import RewardedSample, Topics
 from liverl.kafka import KAFKA_PYTHON_API_VERSION, encode, produce_sync
 from policies.registry import PolicyVersion, Registry
@@ -76,8 +76,19 @@ def test_two_ranks_publish_the_version_one_rank_trains(settings, stack, starter_
     mine = one.snapshot()
     two = torch.load(settings.data_dir / "learner" / f"{version.version}.pt", weights_only=True)["model"]
     assert two.keys() == mine.keys()
-    moved = torch.cat([(mine[k] - start[k]).flatten() for k in mine]).norm()
-    differ = torch.cat([(mine[k] - two[k]).flatten() for k in mine]).norm()
+    # The same step up to float reduction order, read where the step acts: the logprob of each
+    # token it trained on. In the weights, Adam turns a last-bit difference in a near-zero
+    # gradient into up to lr per element and step (1% of the update in a CI run of Nov 30);
+    # such an element barely moves a logprob. Off the stack (learner.distributed, parents 0 to 12
+    # versions in, Nov 30): 2 ranks were 4e-5 to 8e-5 of the step apart, 1 rank on half the
+    # batch 0.15 to 0.67.
+    written = collate(batch, one.tokenizer.pad_token_id, one.layers, one.top_k)
+    one.model.eval()
+    with torch.no_grad():
+        logp = {name: token_logprobs(one.model, written, weights)
+                for name, weights in (("parent", start), ("one rank", mine), ("two ranks", two))}
+    tokens = written.completion_mask.bool()
+    moved = (logp["one rank"] - logp["parent"])[tokens].abs().mean()
+    differ = (logp["two ranks"] - logp["one rank"])[tokens].abs().mean()
     assert moved > 0
-    # The same step up to float reduction order (as tests/test_distributed_learner.py).
-    assert differ / moved < 1e-3, f"|2 ranks - 1 rank| / |update| = {differ / moved:.2e}"
+    assert differ / moved < 1e-2, f"|2 ranks - 1 rank| / |update| in logprob = {differ / moved:.2e}"
