@@ -77,10 +77,11 @@ class EmbeddedBroker(Config):
         None, gt=0, description="Per partition: read batches are deleted, oldest first, whatever their age, "
         "while the partition holds more than this (storage disk); None: no size limit.")
     retention_batches: int | None = Field(
-        2_000, gt=0, description="Per partition: read batches are deleted, oldest first, whatever their age, "
-        "while the partition holds more than this many (storage disk). Tansu 0.6 lists all of a partition's "
-        "batches on each fetch, so a fetch costs in proportion to them; None: no count limit.")
-    retention_check_s: float = Field(60.0, gt=0, description="How often the store applies retention.")
+        200, gt=0, description="Per partition: read batches are deleted, oldest first, whatever their age, "
+        "while the partition holds more than this many (storage disk). Tansu 0.6's produce and fetch cost in "
+        "proportion to a partition's batches (docs/reliability.md); None: no count limit.")
+    retention_check_s: float = Field(5.0, gt=0, description="How often the store applies retention (a "
+                                     "partition grows by this many seconds of batches past retention_batches).")
     min_free_bytes: int = Field(
         1 << 30, ge=0, description="The store refuses new batches (the producer's ack fails: ingest answers 503) "
         "while its volume has less free space than this, and alerts broker_disk_low once per episode.")
