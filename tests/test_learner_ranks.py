@@ -77,11 +77,11 @@ def test_two_ranks_publish_the_version_one_rank_trains(settings, stack, starter_
     two = torch.load(settings.data_dir / "learner" / f"{version.version}.pt", weights_only=True)["model"]
     assert two.keys() == mine.keys()
     # The same step up to float reduction order, read where the step acts: the logprob of each
-    # token it trained on. In the weights, Adam turns a last-bit difference in a near-zero
-    # gradient into up to lr per element and step (1% of the update in a CI run of Nov 30);
-    # such an element barely moves a logprob. Off the stack (learner.distributed, parents 0 to 12
-    # versions in, Nov 30): 2 ranks were 4e-5 to 8e-5 of the step apart, 1 rank on half the
-    # batch 0.15 to 0.67.
+    # token it trained on. In the weights, Adam can turn a last-bit difference in a near-zero
+    # gradient into up to lr per element and step, which barely moves a logprob (a CI run of
+    # Nov 30 was 1% apart in the weights; its parent was gone, so the cause was not pinned
+    # down). Off the stack (learner.distributed, parents 0 to 12 versions in, Nov 30): 2 ranks
+    # were 4e-5 to 8e-5 of the step apart in logprob, 1 rank on half the batch 0.15 to 0.67.
     written = collate(batch, one.tokenizer.pad_token_id, one.layers, one.top_k)
     one.model.eval()
     with torch.no_grad():
