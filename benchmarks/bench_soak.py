@@ -58,11 +58,12 @@ console = Console()
 READING_EVERY_S = 10.0
 
 
-def soak_settings(data_dir: Path, offset: int, broker: Literal["disk", "memory"], window_s: float) -> Settings:
+def soak_settings(data_dir: Path, offset: int, broker: Literal["disk", "memory"], window_s: float,
+                  retention: dict[str, float] | None = None) -> Settings:
     return Settings(
         data_dir=data_dir,
         ports=PortsConfig().shifted(10_000 + offset),
-        broker=EmbeddedBroker(port=29092 + offset, storage=broker),
+        broker=EmbeddedBroker(port=29092 + offset, storage=broker, **(retention or {})),
         serving=ServingConfig(replicas=1),
         feedback=FeedbackConfig(reward_window_s=window_s),
     )
@@ -333,6 +334,8 @@ def main(minutes: float = typer.Option(10.0, help="How long the soak lasts."),
          broker: Literal["disk", "memory"] = typer.Option("disk", help="The embedded broker's storage."),
          window_s: float = typer.Option(60.0, help="feedback.reward_window_s: the stream keeps each completion "
                                         "this long, so its memory is flat only after one window (default 1 h)."),
+         retention_batches: int | None = typer.Option(None, help="broker.retention_batches (default: setting's)."),
+         retention_check_s: float | None = typer.Option(None, help="broker.retention_check_s (default: setting's)."),
          data_dir: Path = typer.Option(Path("/tmp/liverl-bench-soak")), port_offset: int = 6000,
          keep_data: bool = typer.Option(False, help="Start on what data_dir holds; by default it is emptied "
                                         "first: an earlier run's backlog (the learner's group holds the samples "
@@ -341,7 +344,9 @@ def main(minutes: float = typer.Option(10.0, help="How long the soak lasts."),
     out.mkdir(parents=True, exist_ok=True)
     if not keep_data:
         shutil.rmtree(data_dir, ignore_errors=True)
-    settings = soak_settings(data_dir, port_offset, broker, window_s)
+    retention = {k: v for k, v in (("retention_batches", retention_batches), ("retention_check_s", retention_check_s))
+                 if v is not None}
+    settings = soak_settings(data_dir, port_offset, broker, window_s, retention)
     up(settings, say=console.print)
     run = f"soak{uuid.uuid4().hex[:6]}"
     try:
