@@ -70,8 +70,8 @@ def settled_step(production_rewards: list[float], fresh_groups: int, settled_rew
 
 
 def held_step(rewinds: int, scale: float | None, floor: float) -> float:
-    """The share of the lr a version steps when the guard has put the learner back on the
-    stable version `rewinds` times (candidates held for skill or aborted): `scale` per rewind,
+    """The share of the lr a version steps when the guard has put the learner back `rewinds`
+    times since stable was promoted (candidates held for skill or aborted): `scale` per rewind,
     down to `floor`, and 1 once a candidate is promoted (a new stable has none). Each held
     candidate was a step too far for something the guard checks, so the next ones try a
     smaller one, as TRPO's line search halves a step that broke its constraint."""

@@ -384,7 +384,7 @@ class Learner:
         started = time.time()
         step = settled_step([s.reward for s in self.pending.values()], len(chosen), self.config.settled_reward,
                             self.config.settled_lr_scale) * held_step(
-            self.registry.rewinds_to(self.stable().version), self.config.held_lr_scale, self.config.held_lr_floor)
+            self.registry.rewinds_since(self.stable().version), self.config.held_lr_scale, self.config.held_lr_floor)
         metrics = self.trainer.train((train or batch) + replayed, seed=self.current.seq, lr_scale=step,
                                      anchor=self.replay.passed(self.config.skill_anchor_samples, self.current.seq))
         crash_point("learner.after_train")

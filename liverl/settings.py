@@ -404,9 +404,9 @@ class LearnerConfig(Config):
     settled_lr_scale: float = Field(0.5, gt=0.0, le=1.0, description="A settled version's step, as a share of "
                                     "the lr (the adaptive step size is not adapted by it).")
     held_lr_scale: float | None = Field(
-        None, gt=0.0, lt=1.0, description="After the guard puts the learner back on stable (a candidate held "
-        "for skill or aborted), versions step this share of the lr, once more per further rewind to the same "
-        "stable, until one is promoted (`learner/mix.py: held_step`); None: off.")
+        None, gt=0.0, lt=1.0, description="After the guard puts the learner back (a candidate held for skill "
+        "or aborted), versions step this share of the lr, once more per further rewind since stable was "
+        "promoted, until another is (`learner/mix.py: held_step`); None: off.")
     held_lr_floor: float = Field(0.125, gt=0.0, le=1.0, description="Smallest share of the lr held_lr_scale "
                                  "goes down to.")
     group_timeout_s: float = Field(900.0, gt=0, description="A sized group (rollouts) still incomplete after "
@@ -565,6 +565,10 @@ class PromotionConfig(Config):
         "stable", description="What else the skill guard judges a candidate against, beside the starter: stable, or "
         "the best of the last slide_lookback stables (the held-out watch's reference; a skill given back a step at a "
         "time is held too, at production's pace).")
+    skill_rewind: Literal["stable", "last_passed"] = Field(
+        "last_passed", description="Where the learner goes back to after a candidate is held for skill: stable, or "
+        "the candidate's nearest ancestor since stable that passed the skill guard (what it learned of production "
+        "on the way is kept; the guard judged it against the same references).")
     skill_margin: Fraction = Field(0.05, description="How far a candidate's held-out pass rate may fall below the "
                                    "starter's or its other reference's before the skill guard may hold it.")
     skill_false_hold_rate: float = Field(0.05, gt=0, lt=0.5, description="Level of the skill guard's exact sign "

@@ -241,11 +241,15 @@ class Registry:
         row = self.db.execute("SELECT * FROM rewinds ORDER BY id DESC LIMIT 1").fetchone()
         return Rewind(**dict(zip(Rewind.model_fields, row, strict=True))) if row else None
 
-    def rewinds_to(self, version: str) -> int:
-        """How many times the guard or an operator put the learner back on `version` (the
-        learner's own rebases and gate rewinds aside: `actor` "learner")."""
-        return self.db.execute("SELECT count(*) FROM rewinds WHERE version = ? AND actor != 'learner'",
-                               (version,)).fetchone()[0]
+    def rewinds_since(self, version: str) -> int:
+        """How many times, since `version` last became stable, the guard or an operator put the
+        learner back (on it, or after a hold for skill on a version trained on top of it:
+        `promotion.skill_rewind`); the learner's own rebases and gate rewinds aside (`actor`
+        "learner")."""
+        since = self.db.execute("SELECT max(at) FROM events WHERE version = ? AND to_state = 'stable'",
+                                (version,)).fetchone()[0]
+        return self.db.execute("SELECT count(*) FROM rewinds WHERE at >= ? AND actor != 'learner'",
+                               (since or 0.0,)).fetchone()[0]
 
     def head(self) -> PolicyVersion | None:
         """The version the learner continues from: the newest, unless it was trained

@@ -603,14 +603,31 @@ class Controller:
 
     def hold_for_skill(self, candidate: PolicyVersion, stable: PolicyVersion, lost: list[SkillComparison]) -> None:
         """A candidate that lost skill never reaches users: rejected with the figures, on-call
-        told, and the learner rewinds to stable as after an abort."""
+        told, and the learner rewinds (`skill_rewind_target`)."""
         reason = "held for skill: " + "; ".join(f"{c.text()}: more than {c.margin} below" for c in lost)
         log(logger, "candidate held for skill", version=candidate.version, reason=reason)
         # The rewind first: killed between the two, the candidate is judged again, never lost.
-        self.registry.request_rewind(stable.version, ACTOR, f"{candidate.version} {reason}")
+        target = self.skill_rewind_target(candidate, stable)
+        self.registry.request_rewind(target.version, ACTOR, f"{candidate.version} {reason}")
         self.promoter.transition(candidate.version, "rejected", ACTOR, reason)
         self.alert("candidate_held_for_skill", candidate.version, reason, comparisons=[c.model_dump() for c in lost])
         self.state = f"{candidate.version} {reason}"
+
+    def skill_rewind_target(self, held: PolicyVersion, stable: PolicyVersion) -> PolicyVersion:
+        """Where the learner goes back to after `held` lost skill: with `skill_rewind` last_passed,
+        its nearest ancestor since stable that passed the skill guard and still has its weights
+        (a line search backs up to the last point that met the constraint, not to its start:
+        in a day of Nov 30, undecided canaries that had passed gave way to their children, each
+        child was held, and each hold sent the learner back to stable, so what those canaries
+        had learned of production was trained again and lost again, eight times); else stable."""
+        current = held.parent
+        while self.config.skill_rewind == "last_passed" and current is not None and current != stable.version:
+            record = self.registry.get(current)
+            passed = (record.metrics.get("skill") or {}).get("verdict") == "non_inferior"
+            if passed and record.state in ("candidate", "superseded") and Path(record.model_dir).exists():
+                return record
+            current = record.parent
+        return stable
 
     def continues_held(self, version: str) -> str | None:
         """The version held for skill that `version` was trained on top of, or None."""

@@ -2,8 +2,9 @@
 newest versions and whatever is still needed.
 
 Kept: the `keep_versions` newest versions; every version a replica holds, is staging
-or keeps for rollback; the registry's aliases (stable, canary) and the rollback
-targets (the last `promotion.slide_lookback` stable versions before the current one). For each kept version the store
+or keeps for rollback; the registry's aliases (stable, canary), the rollback
+targets (the last `promotion.slide_lookback` stable versions before the current one) and
+the version the learner was last put back on. For each kept version the store
 keeps what rebuilds it: the nearest snapshot on its lineage and the deltas after it,
 and the deltas from any version a replica holds, so that replica still takes the
 short chain. Everything else goes: records first, so no reader plans with an object
@@ -58,7 +59,9 @@ def needs(settings: Settings, registry: Registry) -> Needs:
     current = registry.stable()
     # The slide guard may put back any of the last few stables (promotion.slide_lookback).
     rollback = [v for v in stables if current is None or v != current.version][-settings.promotion.slide_lookback:]
-    return Needs(protected=held | pending | aliases | set(rollback), held=held)
+    rewind = registry.last_rewind()  # the learner continues from it: its weights (and Adam state) stay
+    rewound = {rewind.version} if rewind is not None else set()
+    return Needs(protected=held | pending | aliases | set(rollback) | rewound, held=held)
 
 
 def newest(versions: Iterable[VersionRecord | PolicyVersion], keep_versions: int) -> set[str]:

@@ -142,9 +142,16 @@ def test_head_follows_rewinds_and_rejected_chains_are_named(tmp_path, starter_di
     assert registry.head().version == v0.version  # v2 was trained before the rewind
     v3 = publish(v0.version, after_rewind=rewind.id)
     assert registry.head().version == v3.version and registry.continues_rejected(v3.version) is None
-    # The guard's rewinds to a stable version are counted (learner.held_lr_scale), the learner's own not.
+    # The guard's rewinds since a version became stable are counted (learner.held_lr_scale), the
+    # learner's own not; a new stable starts from none.
     registry.request_rewind(v0.version, "learner", "v3 too far from stable")
-    assert registry.rewinds_to(v0.version) == 1 and registry.rewinds_to(v3.version) == 0
+    assert registry.rewinds_since(v0.version) == 1
+    registry.transition(v3.version, "canary", "test", "offline gate passed")
+    registry.transition(v0.version, "superseded", "test", f"{v3.version} promoted")
+    registry.transition(v3.version, "stable", "test", "non-inferior")
+    assert registry.rewinds_since(v3.version) == 0
+    registry.request_rewind(v3.version, "test", "a candidate on top of v3 held for skill")
+    assert registry.rewinds_since(v3.version) == 1
     with pytest.raises(KeyError):
         registry.request_rewind("v99", "test", "no such version")
 

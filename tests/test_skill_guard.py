@@ -19,6 +19,7 @@ from policies.registry import Registry
 from promotion.controller import Controller
 from promotion.sequential import compare_skill
 from rollouts.evaluator import Evaluator, create_app
+from sync.retention import needs
 
 
 def test_a_loss_is_surely_below_and_by_more_than_the_margin():
@@ -166,6 +167,40 @@ def test_a_skill_given_back_a_step_at_a_time_is_held_against_the_best_recent_sta
     assert registry.history(further)[-1]["reason"].startswith(
         f"held for skill: coding: held-out pass rate 0.300 against {taught}'s 0.700 on the same 20 tasks (8 lost")
     assert registry.last_rewind().version == eroded  # back to stable, as after any hold
+
+
+def test_after_a_hold_the_learner_goes_back_to_the_last_version_that_passed(guarded, starter_dir):
+    """A canary that passed the skill guard and gave way undecided to its child: the child (or
+    one trained on top of it) held for skill sends the learner back to that canary, not to
+    stable, so what it learned of production is not trained again (a day of Nov 30: eight
+    holds, each back to stable); a version without its weights any more, or `skill_rewind`
+    stable, sends it back to stable. The version it was put back on keeps its weights."""
+    settings, registry, evaluator, controller = guarded
+    evaluator.step()  # the starter's figures
+    starter = registry.get("v0").metrics["heldout"]
+    passed = candidate(settings, registry, starter_dir, "v0")
+    registry.update_metrics(passed, heldout=starter)  # as good as stable
+    assert controller.skill_passed(registry.get(passed), registry.stable())
+    registry.transition(passed, "superseded", "test", "undecided after 67 completions; a newer one came")
+    unscored = candidate(settings, registry, starter_dir, passed)  # given way to before its figures came
+    lost = dict(starter, solved="0" * 20, pass_rate=0.0)
+
+    def held_goes_back_to(config: Controller) -> str:
+        held = candidate(settings, registry, starter_dir, unscored)
+        registry.update_metrics(held, heldout=lost)
+        assert not config.skill_passed(registry.get(held), registry.stable())
+        assert registry.get(held).metrics["skill"]["verdict"] == "held"
+        rewind = registry.last_rewind()
+        assert rewind is not None and held in rewind.reason
+        return rewind.version
+
+    assert held_goes_back_to(controller) == passed
+    assert registry.head().version == passed  # the learner continues from it
+    assert passed in needs(settings, registry).protected
+    to_stable = settings.promotion.model_copy(update={"skill_rewind": "stable"})
+    assert held_goes_back_to(Controller(settings.model_copy(update={"promotion": to_stable}))) == "v0"
+    registry.drop_weights(passed, "retention, in this test")
+    assert held_goes_back_to(controller) == "v0"
 
 
 def test_no_evaluator_no_skill_evidence(tmp_path, starter_dir):
