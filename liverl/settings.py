@@ -566,9 +566,9 @@ class PromotionConfig(Config):
         "the best of the last slide_lookback stables (the held-out watch's reference; a skill given back a step at a "
         "time is held too, at production's pace).")
     skill_rewind: Literal["stable", "last_passed"] = Field(
-        "last_passed", description="Where the learner goes back to after a candidate is held for skill: stable, or "
-        "the candidate's nearest ancestor since stable that passed the skill guard (what it learned of production "
-        "on the way is kept; the guard judged it against the same references).")
+        "stable", description="Where the learner goes back to after a candidate is held for skill: stable, or the "
+        "candidate's nearest ancestor since stable that passed the skill guard (what it learned of production on the "
+        "way is kept, but with less of the margin left: docs/learning.md).")
     skill_margin: Fraction = Field(0.05, description="How far a candidate's held-out pass rate may fall below the "
                                    "starter's or its other reference's before the skill guard may hold it.")
     skill_false_hold_rate: float = Field(0.05, gt=0, lt=0.5, description="Level of the skill guard's exact sign "

@@ -170,12 +170,15 @@ def test_a_skill_given_back_a_step_at_a_time_is_held_against_the_best_recent_sta
 
 
 def test_after_a_hold_the_learner_goes_back_to_the_last_version_that_passed(guarded, starter_dir):
-    """A canary that passed the skill guard and gave way undecided to its child: the child (or
-    one trained on top of it) held for skill sends the learner back to that canary, not to
-    stable, so what it learned of production is not trained again (a day of Nov 30: eight
-    holds, each back to stable); a version without its weights any more, or `skill_rewind`
-    stable, sends it back to stable. The version it was put back on keeps its weights."""
-    settings, registry, evaluator, controller = guarded
+    """With `skill_rewind` last_passed, a canary that passed the skill guard and gave way
+    undecided to its child: the child (or one trained on top of it) held for skill sends the
+    learner back to that canary, not to stable, so what it learned of production is not
+    trained again (a day of Nov 30: eight holds, each back to stable); a version without its
+    weights any more, or the default (stable), sends it back to stable. The version it was
+    put back on keeps its weights."""
+    settings, registry, evaluator, to_stable = guarded
+    last_passed = settings.promotion.model_copy(update={"skill_rewind": "last_passed"})
+    controller = Controller(settings.model_copy(update={"promotion": last_passed}))
     evaluator.step()  # the starter's figures
     starter = registry.get("v0").metrics["heldout"]
     passed = candidate(settings, registry, starter_dir, "v0")
@@ -185,10 +188,10 @@ def test_after_a_hold_the_learner_goes_back_to_the_last_version_that_passed(guar
     unscored = candidate(settings, registry, starter_dir, passed)  # given way to before its figures came
     lost = dict(starter, solved="0" * 20, pass_rate=0.0)
 
-    def held_goes_back_to(config: Controller) -> str:
+    def held_goes_back_to(guard: Controller) -> str:
         held = candidate(settings, registry, starter_dir, unscored)
         registry.update_metrics(held, heldout=lost)
-        assert not config.skill_passed(registry.get(held), registry.stable())
+        assert not guard.skill_passed(registry.get(held), registry.stable())
         assert registry.get(held).metrics["skill"]["verdict"] == "held"
         rewind = registry.last_rewind()
         assert rewind is not None and held in rewind.reason
@@ -197,8 +200,7 @@ def test_after_a_hold_the_learner_goes_back_to_the_last_version_that_passed(guar
     assert held_goes_back_to(controller) == passed
     assert registry.head().version == passed  # the learner continues from it
     assert passed in needs(settings, registry).protected
-    to_stable = settings.promotion.model_copy(update={"skill_rewind": "stable"})
-    assert held_goes_back_to(Controller(settings.model_copy(update={"promotion": to_stable}))) == "v0"
+    assert held_goes_back_to(to_stable) == "v0"  # the default
     registry.drop_weights(passed, "retention, in this test")
     assert held_goes_back_to(controller) == "v0"
 
