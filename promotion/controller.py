@@ -617,11 +617,11 @@ class Controller:
         """Where the learner goes back to after `held` lost skill: with `skill_rewind` last_passed,
         its nearest ancestor since stable that passed the skill guard and still has its weights
         (a line search backs up to the last point that met the constraint, not to its start:
-        in a day of Nov 30, undecided canaries that had passed gave way to their children, each
-        child was held, and each hold sent the learner back to stable, so what those canaries
-        had learned of production was trained again and lost again, eight times); else stable.
-        Not the default: such an ancestor sits nearer the margin than stable, and five days
-        with it did not tell it apart from five without (docs/learning.md)."""
+        in a day of Nov 30, three canaries that had passed gave way undecided or stood down, their
+        children were held, and each hold sent the learner back to stable, so what those canaries
+        had learned of production was trained again and lost again); else stable. Not the
+        default: such an ancestor sits nearer the margin than stable, and five days with it were
+        not told apart from four without in the same sitting (docs/learning.md)."""
         current = held.parent
         while self.config.skill_rewind == "last_passed" and current is not None and current != stable.version:
             record = self.registry.get(current)
