@@ -16,22 +16,13 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from policies.registry import PolicyVersion, Registry
+from policies.registry import Registry
 
 
 def stable_at(registry: Registry, at: float) -> str:
     """The version that was stable at time `at`."""
     made_stable = [e for e in registry.history() if e["to"] == "stable" and e["at"] <= at]
     return made_stable[-1]["version"]
-
-
-def lineage(registry: Registry, version: str, stable: str) -> list[PolicyVersion]:
-    """`version`'s ancestors back to `stable` (exclusive), nearest first."""
-    out, current = [], registry.get(version).parent
-    while current is not None and current != stable:
-        out.append(registry.get(current))
-        current = out[-1].parent
-    return out
 
 
 def main(arms: list[Path] = typer.Argument(..., help="Each arm's --data-dir (seed-N/demo/policies under it).")) -> None:
@@ -48,7 +39,7 @@ def main(arms: list[Path] = typer.Argument(..., help="Each arm's --data-dir (see
                 if "held for skill" not in reason:
                     continue
                 held, stable = reason.split()[0], stable_at(registry, at)
-                ancestors = lineage(registry, held, stable)
+                ancestors = registry.ancestors(held, stable)
                 depths[len(ancestors) + 1] += 1
                 if not ancestors:
                     first_kls.append(registry.get(held).metrics.get("kl_from_parent") or 0.0)

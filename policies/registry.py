@@ -225,17 +225,24 @@ class Registry:
         return [self._row(r) for r in self.db.execute(
             "SELECT * FROM versions WHERE state = ? ORDER BY seq", (state,))]
 
+    def ancestors(self, version: str, until: str | None) -> list[PolicyVersion]:
+        """The versions `version` was trained on top of, nearest first, back to `until`
+        (not included; None: back to the first)."""
+        out: list[PolicyVersion] = []
+        current = self.get(version).parent
+        while current is not None and current != until:
+            out.append(self.get(current))
+            current = out[-1].parent
+        return out
+
     def continues_rejected(self, version: str) -> str | None:
         """The aborted or rolled-back version that `version` was trained on top of (itself
         included), or None: its lineage back to the stable version is clean."""
         stable = self.stable()
-        current: str | None = version
-        while current is not None and (stable is None or current != stable.version):
-            record = self.get(current)
-            if record.state in REJECTED:
-                return current
-            current = record.parent
-        return None
+        if stable is not None and version == stable.version:
+            return None
+        lineage = [self.get(version), *self.ancestors(version, stable.version if stable else None)]
+        return next((record.version for record in lineage if record.state in REJECTED), None)
 
     def last_rewind(self) -> Rewind | None:
         row = self.db.execute("SELECT * FROM rewinds ORDER BY id DESC LIMIT 1").fetchone()

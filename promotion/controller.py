@@ -622,25 +622,17 @@ class Controller:
         had learned of production was trained again and lost again); else stable. Not the
         default: such an ancestor sits nearer the margin than stable, and five days with it were
         not told apart from four without in the same sitting (docs/learning.md)."""
-        current = held.parent
-        while self.config.skill_rewind == "last_passed" and current is not None and current != stable.version:
-            record = self.registry.get(current)
-            passed = (record.metrics.get("skill") or {}).get("verdict") == "non_inferior"
-            if passed and record.state in ("candidate", "superseded") and Path(record.model_dir).exists():
-                return record
-            current = record.parent
-        return stable
+        if self.config.skill_rewind == "stable":
+            return stable
+        return next((a for a in self.registry.ancestors(held.version, stable.version)
+                     if (a.metrics.get("skill") or {}).get("verdict") == "non_inferior"
+                     and a.state in ("candidate", "superseded") and Path(a.model_dir).exists()), stable)
 
     def continues_held(self, version: str) -> str | None:
         """The version held for skill that `version` was trained on top of, or None."""
         stable = self.registry.stable()
-        current: str | None = self.registry.get(version).parent
-        while current is not None and (stable is None or current != stable.version):
-            record = self.registry.get(current)
-            if (record.metrics.get("skill") or {}).get("verdict") == "held":
-                return current
-            current = record.parent
-        return None
+        return next((a.version for a in self.registry.ancestors(version, stable.version if stable else None)
+                     if (a.metrics.get("skill") or {}).get("verdict") == "held"), None)
 
     # --- the slide guard -----------------------------------------------------------------------
     def stable_periods(self) -> list[tuple[str, float, float]]:
