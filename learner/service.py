@@ -155,6 +155,7 @@ class Learner:
         self.applied_rewind = rewind.id if rewind else 0  # head() has taken it into account
         self.trainer = self.trainer_at(self.current)
         self.serving: set[str] = set()  # versions on replicas now: their samples are never stale
+        self.steps_behind: dict[tuple[str, str], int | None] = {}  # (behaviour, current): Registry.steps_apart
         self.pending: dict[str, RewardedSample] = {}
         self.holdout: list[RewardedSample] = []
         # (version, event id -> mean log-ratio under it) for the held-out samples: what the
@@ -284,12 +285,19 @@ class Learner:
                 self.drop("uniform_group", sample_id)
 
     def stale(self, version: str) -> bool:
-        """Samples of `version` are too far behind the learner to train on. What serves now
+        """Samples of `version` are too far behind the learner to train on: more than
+        `max_version_lag` training steps from its weights (`Registry.steps_apart`). What serves now
         (stable, a canary, lent replicas) never is: while a canary is judged the learner
         writes candidates on, and stable's traffic must not be thrown away."""
-        behaviour = self.registry.seq_of(version)
-        return behaviour is None or (version not in self.serving
-                                     and self.current.seq - behaviour > self.config.max_version_lag)
+        if version in self.serving:
+            return False
+        key = (version, self.current.version)
+        if key not in self.steps_behind:  # every sample asks: one lineage walk per version pair
+            if len(self.steps_behind) > 1024:
+                self.steps_behind.clear()
+            self.steps_behind[key] = self.registry.steps_apart(version, self.current.version,
+                                                               self.config.max_version_lag)
+        return self.steps_behind[key] is None
 
     def waited_too_long(self, sample: RewardedSample) -> bool:
         """The sample waited on the topic (since the stream emitted it) longer than

@@ -379,7 +379,8 @@ class LearnerConfig(Config):
     batch_samples: int = Field(256, ge=1, description="Train a candidate once this many samples arrived.")
     max_interval_s: float = Field(3 * 3600.0, gt=0, description="...or once this long passed with any.")
     min_samples: int = Field(8, ge=1, description="Fewest samples worth a version when time is up.")
-    max_version_lag: int = Field(4, ge=0, description="Drop samples more versions behind than this.")
+    max_version_lag: int = Field(4, ge=0, description="Drop samples whose version is more training steps "
+                                 "(parent links, not version numbers) from the learner's weights than this.")
     max_sample_wait_s: float | None = Field(
         300.0, gt=0, description="Drop samples that waited on the samples topic longer than this (stale): under "
         "sustained overload the learner skips to fresh feedback instead of falling ever further behind, whose "
@@ -453,7 +454,12 @@ class LearnerConfig(Config):
         None, gt=0.0, description="A version whose KL from its parent passes this is undone and trained again "
         "from its parent at half the lr, up to kl_backtracks times (`learner/rl.py: backtracked`, TRPO's line "
         "search); None: no limit.")
-    kl_backtracks: int = Field(3, ge=1, description="Most times one version is trained again at half the lr.")
+    max_skill_anchor_drop: float | None = Field(
+        None, gt=0.0, description="A version that lowered its skill anchor's passed rollout completions (skill_"
+        "anchor_samples from the replay buffer) by more than this many nats a token is undone and trained again "
+        "at half the lr, as max_kl_from_parent does (`learner/rl.py: backtracked`); None: no limit.")
+    kl_backtracks: int = Field(3, ge=1, description="Most times one version is trained again at half the lr "
+                               "(max_kl_from_parent, max_skill_anchor_drop).")
     lr_warmup_updates: int = Field(0, ge=0, description="Optimizer updates over which the lr rises linearly to "
                                    "its whole from 1/N of it (`learner/rl.py: warmup_share`), counted by Adam's own "
                                    "state, so a restart or a rewind resumes the count; 0: no warmup.")

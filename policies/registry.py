@@ -235,6 +235,27 @@ class Registry:
             current = out[-1].parent
         return out
 
+    def steps_apart(self, version: str, other: str, limit: int) -> int | None:
+        """How many training steps (parent links) separate two versions, through their
+        nearest common ancestor; None when more than `limit`, unrelated, or unknown.
+
+        This, not the difference of their numbers, is how far a sample's behaviour policy
+        is from the weights that train on it: versions registered meanwhile on other
+        branches (a rejected canary, an import, a pin) changed neither."""
+        def lineage(start: str) -> dict[str, int]:  # version -> steps up from start, at most limit
+            steps: dict[str, int] = {}
+            current: str | None = start
+            while current is not None and len(steps) <= limit:
+                row = self.db.execute("SELECT parent FROM versions WHERE version = ?", (current,)).fetchone()
+                if row is None:
+                    break
+                steps[current] = len(steps)
+                current = row[0]
+            return steps
+        up_other = lineage(other)
+        apart = [steps + up_other[v] for v, steps in lineage(version).items() if v in up_other]
+        return min(apart) if apart and min(apart) <= limit else None
+
     def continues_rejected(self, version: str) -> str | None:
         """The aborted or rolled-back version that `version` was trained on top of (itself
         included), or None: its lineage back to the stable version is clean."""

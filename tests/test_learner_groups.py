@@ -4,6 +4,7 @@ what serves (`learner.max_lead_versions`)."""
 
 from __future__ import annotations
 
+import shutil
 import time
 from types import SimpleNamespace
 
@@ -120,9 +121,11 @@ def learner_with(config: dict, pending: int = 0, groups_waiting: list[OpenGroup]
     learner.open_groups = {f"g{i}": g for i, g in enumerate(groups_waiting)}
     learner.window_started = time.time()
     learner.dropped, learner.dropped_ids = {"stale": 0, "incomplete_group": 0, "uniform_group": 0}, []
-    learner.current = SimpleNamespace(seq=current_seq)
-    learner.serving = set()
-    learner.registry = SimpleNamespace(seq_of=lambda version: int(version[1:]))
+    learner.current = SimpleNamespace(seq=current_seq, version=f"v{current_seq}")
+    learner.serving, learner.steps_behind = set(), {}
+    learner.registry = SimpleNamespace(  # one straight lineage: v5 is v4's child
+        steps_apart=lambda version, other, limit: abs(int(version[1:]) - int(other[1:]))
+        if abs(int(version[1:]) - int(other[1:])) <= limit else None)
     return learner
 
 
@@ -151,7 +154,7 @@ def test_a_group_the_share_held_back_past_the_version_lag_is_dropped_as_stale_no
     learner = learner_with({"max_version_lag": 3, "rollout_share": 0.5}, pending=8, groups_waiting=[first, second],
                            current_seq=2)
     assert learner.take_groups() == [first] and second.passed_over == 1  # v1 is one behind: it waits
-    learner.current = SimpleNamespace(seq=5)  # versions went by; v1 is four behind now
+    learner.current = SimpleNamespace(seq=5, version="v5")  # versions went by; v1 is four behind now
     assert learner.take_groups() == [] and learner.open_groups == {} and learner.dropped["stale"] == 8
     # A group that only just completed arrived fresh (its members were checked as they came):
     # it trains, as a lone sample that arrived fresh does.
@@ -214,3 +217,36 @@ def test_a_group_whose_rewards_are_all_equal_is_dropped_when_asked_and_counts_to
     for i, reward in enumerate([1, 1, 1, 1]):
         kept.gather(member("solved", i, float(reward)), b"", (tp, i))
     assert set(kept.open_groups) == {"rollouts:solved"} and kept.dropped["uniform_group"] == 0
+
+
+def test_staleness_counts_training_steps_from_the_learners_weights_not_version_numbers(tmp_path, starter_dir):
+    """A sample is stale when its behaviour policy is more than `max_version_lag` parent
+    links from the weights the learner trains. Versions registered meanwhile on other
+    branches (a rejected chain, an import) do not age it; a rejected chain's own samples are
+    as far as its branch is long (CI, Nov 30: a rollout group of the learner's parent was
+    dropped as 4 "behind" after tests had registered three versions beside it)."""
+    from policies.registry import Registry
+
+    registry = Registry(tmp_path / "policies")
+
+    def publish(parent: str | None) -> str:
+        staged = tmp_path / f"staged-{registry.latest().seq + 1 if registry.latest() else 0}"
+        shutil.copytree(starter_dir, staged)
+        return registry.publish(staged, parent=parent, window=None, metrics={}, sample_ids=[],
+                                actor="test").version
+    v0 = publish(None)
+    v1 = publish(v0)
+    v2 = publish(v0)  # a rejected chain off v0: v2 -> v3 -> v4
+    v3 = publish(v2)
+    v4 = publish(v3)
+    imported = publish(None)
+    current = publish(v1)  # the learner's: v6, parent v1
+    learner = learner_with({"max_version_lag": 3})
+    learner.registry, learner.current = registry, registry.get(current)
+    assert registry.steps_apart(v1, current, 3) == 1 and not learner.stale(v1)  # five numbers apart
+    assert registry.steps_apart(v0, current, 3) == 2 and not learner.stale(v0)
+    assert registry.steps_apart(v4, current, 10) == 5 and learner.stale(v4)  # two numbers apart
+    assert registry.steps_apart(v3, current, 3) is None and learner.stale(v3)
+    assert learner.stale(imported) and learner.stale("v99")  # unrelated; unknown
+    learner.serving = {v4}
+    assert not learner.stale(v4)  # what serves never is
