@@ -20,6 +20,8 @@ versions behind), each mixed by the policy under test:
 
 Any of them with `--set skill_anchor_coef=1`: each version holds its parent's likelihood of
 `skill_anchor_samples` passed completions from the buffer (`learner/rl.py: skill_anchor_loss`).
+Any of them with `--set max_skill_anchor_drop=0.05`: a version that lowered those completions
+by more than that is trained again at half the lr (`learner/rl.py: backtracked`).
 Any of them with `--set settled_reward=0.8` (and `settled_lr_scale`): a version whose
 production accept reached it steps a share of the lr (`learner/mix.py: settled_step`).
 
@@ -130,7 +132,7 @@ def run(seed: int, policy: str, overrides: dict, trough_rounds: int, day_rounds:
         trainer.export(scratch / "eval")
         return sum(greedy_solved(scratch / "eval", env, held, known=known)) / len(held)
 
-    curve, evals = [], [(0, evaluate())]
+    curve, evals, moves = [], [(0, evaluate())], []  # moves: each day version's step (KL, anchor drop, backtracks)
     if config.kl_coef > 0:  # kl_reference=stable: the starter through the night, then the night's last version
         trainer.use_reference(model_dir)
     for k in range(trough_rounds):
@@ -156,14 +158,16 @@ def run(seed: int, policy: str, overrides: dict, trough_rounds: int, day_rounds:
             replayed = as_if_sampled_now(trainer, replayed)
         # With `--set settled_reward=...`, the learner's smaller step once production is learned.
         step = settled_step([s.reward for s in samples], 0, config.settled_reward, config.settled_lr_scale)
-        trainer.train(train + replayed, seed=k, lr_scale=step, anchor=buffer.passed(config.skill_anchor_samples, k))
+        metrics = trainer.train(train + replayed, seed=k, lr_scale=step,
+                                anchor=buffer.passed(config.skill_anchor_samples, k))
+        moves.append({key: metrics.get(key) for key in ("kl_from_parent", "skill_anchor_drop", "backtracks", "lr")})
         versions.append(published(trainer))
         if (k - trough_rounds + 1) % eval_every == 0:
             evals.append((k + 1, evaluate()))
             print(f"{policy} seed {seed} version {k + 1}: accept {rate:.3f}, held-out {evals[-1][1]:.3f}", flush=True)
     window = max(1, round(0.2 * day_rounds))
     return {"seed": seed, "starter_accept": curve[0], "last_fifth": sum(curve[-window:]) / window,
-            "heldout": evals, "curve": curve}
+            "heldout": evals, "curve": curve, "moves": moves}
 
 
 def main(policy: str = typer.Option("none", help="none, replay, anchor, rise or kl"),

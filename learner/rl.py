@@ -167,14 +167,23 @@ def warmup_share(updates_taken: int, warmup_updates: int) -> float:
     return (updates_taken + 1) / warmup_updates
 
 
-def backtracked(kl: float | None, max_kl: float | None, backtracks: int, most: int) -> bool:
+def backtracked(kl: float | None, max_kl: float | None, anchor_drop: float | None, max_anchor_drop: float | None,
+                backtracks: int, most: int) -> bool:
     """Undo the version and step again from its parent at half the lr? TRPO's line search
-    (Schulman et al. 2015, appendix C: the step shrinks until the KL constraint holds), on
-    the step size, for a version whose KL from its parent passed `max_kl`, at most `most`
-    times. The adaptive step size acts only on the next version and PPO's clip only on each
-    token's ratio: neither stops one version's handful of Adam steps from moving the policy
-    0.6-2 nats a token (the day of Nov 29: such versions took the coding skill at once)."""
-    return kl is not None and max_kl is not None and kl > max_kl and backtracks < most
+    (Schulman et al. 2015, appendix C: the step shrinks until the constraint holds), on the
+    step size, at most `most` times, for a version that broke either constraint:
+
+    - its KL from its parent passed `max_kl`. The adaptive step size acts only on the next
+      version and PPO's clip only on each token's ratio: neither stops one version's handful
+      of Adam steps from moving the policy 0.6-2 nats a token (the day of Nov 29: such
+      versions took the coding skill at once);
+    - it lowered the likelihood of the skill anchor's passed rollout completions by more
+      than `max_anchor_drop` nats a token (`skill_anchor_loss`): a trust region on what the
+      policy is known to do right, not on how far it moved (Nov 30: most candidates held for
+      skill were one production version past stable, KL 0.003-0.08)."""
+    past_kl = kl is not None and max_kl is not None and kl > max_kl
+    past_drop = anchor_drop is not None and max_anchor_drop is not None and anchor_drop > max_anchor_drop
+    return (past_kl or past_drop) and backtracks < most
 
 
 def advantage_stats(advantages: torch.Tensor) -> dict[str, float]:

@@ -323,7 +323,8 @@ class Trainer:
         settled version's: learner/mix.py), holding the parent's likelihood of `anchor`'s
         completions with `skill_anchor_coef`; returns its metrics."""
         self.model.train()
-        self.anchor = self.anchored(anchor) if anchor and self.config.skill_anchor_coef > 0 else None
+        anchored = self.config.skill_anchor_coef > 0 or self.config.max_skill_anchor_drop is not None
+        self.anchor = self.anchored(anchor) if anchor and anchored else None
         advantages = self.advantages(samples)
         # The parent: the proximal policy of a trust region around it, the KL's reference
         # unless that is stable (kept by the service: `use_reference`), and the gate's baseline.
@@ -335,19 +336,22 @@ class Trainer:
             raise ValueError("kl_reference=stable: no reference weights (Trainer.use_reference)")
         # The first minibatch's samples, to see how far the version moves from its parent.
         watched, parent_watch = self.watch(samples[: self.config.minibatch])
-        adam = copy.deepcopy(self.optimizer.state_dict()) if self.config.max_kl_from_parent is not None else None
+        limited = self.config.max_kl_from_parent is not None or self.config.max_skill_anchor_drop is not None
+        adam = copy.deepcopy(self.optimizer.state_dict()) if limited else None
         lr, step_lr, backtracks = self.lr, self.lr * lr_scale, 0
         warm = warmup_share(self.updates_taken(), self.config.lr_warmup_updates) == 1.0
         steps, failed, shift = self.steps(samples, advantages, seed, step_lr, parent, reference, watched, parent_watch)
-        full_step_kl = shift.get("kl_from_parent")
-        while adam is not None and backtracked(shift.get("kl_from_parent"), self.config.max_kl_from_parent,
-                                               backtracks, self.config.kl_backtracks):
+        full_step_kl, anchor_drop = shift.get("kl_from_parent"), self.anchor_drop()
+        config = self.config
+        while adam is not None and backtracked(shift.get("kl_from_parent"), config.max_kl_from_parent,
+                                               anchor_drop.get("skill_anchor_drop"), config.max_skill_anchor_drop,
+                                               backtracks, config.kl_backtracks):
             self.restore(self.parent, adam)  # the step ran past the trust region: from the parent, half of it
             step_lr, backtracks = step_lr / 2, backtracks + 1
             steps, failed, shift = self.steps(samples, advantages, seed, step_lr, parent, reference, watched,
                                               parent_watch)
+            anchor_drop = self.anchor_drop()
         self.lr = lr
-        anchor_drop = self.anchor_drop()
         # A smaller step's KL says nothing of what the full step would move: not adapted by it
         # (a backtracked version's full step is its first; a warming-up one's is still to come).
         if self.config.target_kl is not None and full_step_kl is not None and lr_scale == 1.0 and warm:
@@ -432,7 +436,8 @@ class Trainer:
         """One gradient step on this rank's part of `minibatch`; returns what it measured."""
         idx, share, normalizer = self.shard(minibatch, samples)
         # Before the step's own forward: the routing statistics below read the last pass.
-        anchor = self.config.skill_anchor_coef * self.anchor_loss() if self.anchor is not None else None
+        coef = self.config.skill_anchor_coef
+        anchor = coef * self.anchor_loss() if self.anchor is not None and coef > 0 else None
         batch = collate([samples[i] for i in idx], self.tokenizer.pad_token_id, self.layers, self.top_k)
         with router_replay.replay(self.model, batch.routing if self.config.router_replay else None):
             parent_logp, reference_logp, logp, vocab_logp = self.step_logprobs(batch, parent, reference)

@@ -241,6 +241,29 @@ def test_the_skill_anchor_holds_the_parents_likelihood_of_passed_completions_a_s
     assert held_metrics["skill_anchor_samples"] == 3 and 0 <= held_metrics["skill_anchor_drop"] < lost_free
 
 
+def test_a_version_that_lowered_its_skill_anchor_past_the_limit_is_trained_again_at_half_the_lr(starter_dir: Path):
+    """`learner.max_skill_anchor_drop`: the line search of `max_kl_from_parent`, on what the
+    policy is known to do right. A version whose steps lowered the anchor's passed completions
+    by more than the limit (here production rejected the same completions) is undone and
+    trained again at half the lr until it holds; the anchor itself adds nothing to the loss."""
+    samples = sampled(starter_dir, count=6)
+    passed = [s.model_copy(update={"reward": 1.0}) for s in samples[:3]]
+    rejected = [s.model_copy(update={"reward": 0.0, "sample_id": f"p{i}"}) for i, s in enumerate(samples[:3])]
+    accepted = [s.model_copy(update={"reward": 1.0}) for s in samples[3:]]
+    config = LearnerConfig(minibatch=6, lr=1e-3, epochs=4, kl_backtracks=4)
+    full = Trainer(starter_dir, config.model_copy(update={"max_skill_anchor_drop": 1e9})).train(
+        rejected + accepted, anchor=passed)
+    assert full["backtracks"] == 0 and full["skill_anchor_drop"] > 0.1
+    limit = full["skill_anchor_drop"] / 3
+    limited = Trainer(starter_dir, config.model_copy(update={"max_skill_anchor_drop": limit})).train(
+        rejected + accepted, anchor=passed)
+    assert 1 <= limited["backtracks"] <= 3 and limited["lr"] == pytest.approx(1e-3 / 2 ** limited["backtracks"])
+    assert limited["skill_anchor_drop"] <= limit
+    # Without passed completions to anchor (no rollouts yet) there is nothing to hold.
+    alone = Trainer(starter_dir, config.model_copy(update={"max_skill_anchor_drop": limit})).train(rejected + accepted)
+    assert alone["backtracks"] == 0 and "skill_anchor_drop" not in alone
+
+
 def test_the_anchor_draws_members_that_did_better_than_their_group():
     from learner.mix import ReplayBuffer
 
