@@ -2,13 +2,17 @@
 registry: for every rewind after a hold for skill, how many versions the held candidate was
 trained after the stable of the moment, how far its own step moved it (KL from its parent),
 whether an ancestor since stable had passed the skill guard, and where the learner was sent
-(stable, or with `promotion.skill_rewind` last_passed that ancestor).
+(stable, or with `promotion.skill_rewind` last_passed that ancestor). Then, for runs whose
+learner recorded the skill anchor's drop (`learner.max_skill_anchor_drop` or
+`skill_anchor_coef` set), that drop for the candidates the guard held and those it passed, and
+the versions the line search trained again.
 
     .venv/bin/python benchmarks/day_holds.py .liverl/bench-day-skill/ret200 .liverl/bench-day-skill/rewind
 """
 
 from __future__ import annotations
 
+import statistics
 from collections import Counter
 from pathlib import Path
 
@@ -48,7 +52,27 @@ def main(arms: list[Path] = typer.Argument(..., help="Each arm's --data-dir (see
         kls = f"{min(first_kls):.3f}-{max(first_kls):.3f}" if first_kls else "-"
         table.add_row(arm.name, str(sum(depths.values())), ", ".join(f"{d}: {n}" for d, n in sorted(depths.items())),
                       kls, str(with_ancestor), str(sent_there))
-    Console().print(table)
+    console = Console()
+    console.print(table)
+    anchor = Table("arm", "versions with an anchor", "backtracked", "anchor drop, held: median (range)",
+                   "anchor drop, passed: median (range)")
+    for arm in arms:
+        versions = [v for policies in sorted(arm.glob("seed-*/demo/policies")) for v in Registry(policies).versions()
+                    if "skill_anchor_drop" in v.metrics]
+        if not versions:
+            continue
+        drops = {verdict: [v.metrics["skill_anchor_drop"] for v in versions
+                           if (v.metrics.get("skill") or {}).get("verdict") == verdict]
+                 for verdict in ("held", "non_inferior")}
+        tries = [v.metrics.get("backtracks", 0) for v in versions]
+        anchor.add_row(arm.name, str(len(versions)), f"{sum(t > 0 for t in tries)} (most tries {max(tries)})",
+                       spread(drops["held"]), spread(drops["non_inferior"]))
+    if anchor.row_count:
+        console.print(anchor)
+
+
+def spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f}), n {len(values)}" if values else "-"
 
 
 if __name__ == "__main__":
