@@ -809,12 +809,9 @@ def demo_settings(day: bool = False) -> Settings:
         # 0.02-0.11 and none was held; the day's figures, five seeds each, were not told apart
         # (0.875 and +2.5 points against 0.861 and +1.0: docs/benchmarks.md, "A warmup").
         defaults["learner"] |= {"lr_warmup_updates": 20}
-        # Most candidates the skill guard held were one production version past stable, 0.003-0.08
-        # nats a token from it: a version that lowers 16 passed rollout completions by more than
-        # 0.02 nats a token is trained again at half the lr (learner/rl.py: backtracked). Five seeds
-        # of the day with it: the last stable +17.0 held-out points above the starter at the median
-        # (0.0 to +36.5), production 0.859 (0.622-0.913); four seeds without it right after: -2.3
-        # points, production 0.641 (docs/benchmarks.md, "A line search on the skill anchor").
+        # A version that lowers 16 passed rollout completions by over 0.02 nats a token trains again at
+        # half the lr (learner/rl.py: backtracked): five days +17.0 held-out points and production 0.859
+        # at the median, four without it -2.3 and 0.641 (docs/learning.md, "A line search on the skill anchor").
         defaults["learner"] |= {"max_skill_anchor_drop": 0.02}
         # Each canary waits for the candidate's held-out figures (the skill guard), about a second
         # of CPU once the starter's lines are scored. Niced, the evaluator gets what the peaks leave:
