@@ -225,12 +225,12 @@ class Registry:
         return [self._row(r) for r in self.db.execute(
             "SELECT * FROM versions WHERE state = ? ORDER BY seq", (state,))]
 
-    def ancestors(self, version: str, until: str | None) -> list[PolicyVersion]:
+    def ancestors(self, version: str, until: str | None, most: int | None = None) -> list[PolicyVersion]:
         """The versions `version` was trained on top of, nearest first, back to `until`
-        (not included; None: back to the first)."""
+        (not included; None: back to the first), at most `most` of them."""
         out: list[PolicyVersion] = []
         current = self.get(version).parent
-        while current is not None and current != until:
+        while current is not None and current != until and (most is None or len(out) < most):
             out.append(self.get(current))
             current = out[-1].parent
         return out
@@ -242,16 +242,12 @@ class Registry:
         This, not the difference of their numbers, is how far a sample's behaviour policy
         is from the weights that train on it: versions registered meanwhile on other
         branches (a rejected canary, an import, a pin) changed neither."""
+        if self.seq_of(version) is None or self.seq_of(other) is None:
+            return None
+
         def lineage(start: str) -> dict[str, int]:  # version -> steps up from start, at most limit
-            steps: dict[str, int] = {}
-            current: str | None = start
-            while current is not None and len(steps) <= limit:
-                row = self.db.execute("SELECT parent FROM versions WHERE version = ?", (current,)).fetchone()
-                if row is None:
-                    break
-                steps[current] = len(steps)
-                current = row[0]
-            return steps
+            up = [start, *(a.version for a in self.ancestors(start, None, limit))]
+            return {v: steps for steps, v in enumerate(up)}
         up_other = lineage(other)
         apart = [steps + up_other[v] for v, steps in lineage(version).items() if v in up_other]
         return min(apart) if apart and min(apart) <= limit else None
