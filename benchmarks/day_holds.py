@@ -65,7 +65,8 @@ def main(arms: list[Path] = typer.Argument(..., help="Each arm's --data-dir (see
                            if (v.metrics.get("skill") or {}).get("verdict") == verdict]
                  for verdict in ("held", "non_inferior")}
         tries = [v.metrics.get("backtracks", 0) for v in versions]
-        anchor.add_row(arm.name, str(len(versions)), f"{sum(t > 0 for t in tries)} (most tries {max(tries)})",
+        most = max(tries)
+        anchor.add_row(arm.name, str(len(versions)), f"{sum(t > 0 for t in tries)} ({tries.count(most)} {most} times)",
                        spread(drops["held"]), spread(drops["non_inferior"]))
     if anchor.row_count:
         console.print(anchor)
