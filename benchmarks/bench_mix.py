@@ -52,6 +52,7 @@ from bench_ablation import HOLDOUT, learner_config, published, sample  # noqa: E
 
 from app.demo import hidden_rule, make_prompt  # noqa: E402
 from learner.mix import ReplayBuffer, as_if_sampled_now, settled_step  # noqa: E402
+from learner.skill_check import SkillCheck  # noqa: E402
 from learner.trainer import Trainer  # noqa: E402
 from liverl.contracts import RewardedSample, Trajectory  # noqa: E402
 from liverl.settings import Settings  # noqa: E402
@@ -133,14 +134,30 @@ def run(seed: int, policy: str, overrides: dict, trough_rounds: int, day_rounds:
         return sum(greedy_solved(scratch / "eval", env, held, known=known)) / len(held)
 
     curve, evals, moves = [], [(0, evaluate())], []  # moves: each day version's step (KL, anchor drop, backtracks)
+    # With `--set skill_check_tasks=N`, the learner's own greedy check against its parent and stable.
+    check = None if not config.skill_check_tasks else SkillCheck(env, config.skill_check_tasks,
+                                                                 config.skill_check_margin, 16)
+    if check is not None:
+        trainer.skill(check)
+        check.remember("0")
+
+    def trained(samples: list[RewardedSample], k: int, stable: int, lr_scale: float = 1.0) -> dict:
+        """A version of `samples` (the parent: version k), held to the check's floor if any."""
+        floor = None if check is None else check.floor((str(k), ""), (str(stable), ""))
+        metrics = trainer.train(samples, seed=k, lr_scale=lr_scale, skill_check=check, skill_floor=floor,
+                                anchor=buffer.passed(config.skill_anchor_samples, k))
+        if check is not None:
+            check.remember(str(k + 1))
+        versions.append(published(trainer))
+        return metrics
+
     if config.kl_coef > 0:  # kl_reference=stable: the starter through the night, then the night's last version
         trainer.use_reference(model_dir)
     for k in range(trough_rounds):
         night = groups(env, tasks, model_for(k), tokenizer, k, k, groups_per_round, group_size)
         buffer.remember(night[i:i + group_size] for i in range(0, len(night), group_size)
                         if len({s.reward for s in night[i:i + group_size]}) > 1)
-        trainer.train(night, seed=k, anchor=buffer.passed(config.skill_anchor_samples, k))
-        versions.append(published(trainer))
+        trained(night, k, stable=0)
     evals.append((trough_rounds, evaluate()))
     if policy == "kl":
         trainer.export(scratch / "anchor")
@@ -158,10 +175,9 @@ def run(seed: int, policy: str, overrides: dict, trough_rounds: int, day_rounds:
             replayed = as_if_sampled_now(trainer, replayed)
         # With `--set settled_reward=...`, the learner's smaller step once production is learned.
         step = settled_step([s.reward for s in samples], 0, config.settled_reward, config.settled_lr_scale)
-        metrics = trainer.train(train + replayed, seed=k, lr_scale=step,
-                                anchor=buffer.passed(config.skill_anchor_samples, k))
-        moves.append({key: metrics.get(key) for key in ("kl_from_parent", "skill_anchor_drop", "backtracks", "lr")})
-        versions.append(published(trainer))
+        metrics = trained(train + replayed, k, stable=lags["stable"][0], lr_scale=step)
+        moves.append({key: metrics.get(key) for key in ("kl_from_parent", "skill_anchor_drop", "backtracks", "lr",
+                                                        "skill_check_pass_rate", "skill_check_floor")})
         if (k - trough_rounds + 1) % eval_every == 0:
             evals.append((k + 1, evaluate()))
             print(f"{policy} seed {seed} version {k + 1}: accept {rate:.3f}, held-out {evals[-1][1]:.3f}", flush=True)

@@ -168,10 +168,10 @@ def warmup_share(updates_taken: int, warmup_updates: int) -> float:
 
 
 def backtracked(kl: float | None, max_kl: float | None, anchor_drop: float | None, max_anchor_drop: float | None,
-                backtracks: int, most: int) -> bool:
+                backtracks: int, most: int, skill: float | None = None, skill_floor: float | None = None) -> bool:
     """Undo the version and step again from its parent at half the lr? TRPO's line search
     (Schulman et al. 2015, appendix C: the step shrinks until the constraint holds), on the
-    step size, at most `most` times, for a version that broke either constraint:
+    step size, at most `most` times, for a version that broke any constraint:
 
     - its KL from its parent passed `max_kl`. The adaptive step size acts only on the next
       version and PPO's clip only on each token's ratio: neither stops one version's handful
@@ -180,10 +180,13 @@ def backtracked(kl: float | None, max_kl: float | None, anchor_drop: float | Non
     - it lowered the likelihood of the skill anchor's passed rollout completions by more
       than `max_anchor_drop` nats a token (`skill_anchor_loss`): a trust region on what the
       policy is known to do right, not on how far it moved (Nov 30: most candidates held for
-      skill were one production version past stable, KL 0.003-0.08)."""
+      skill were one production version past stable, KL 0.003-0.08);
+    - it solves a smaller share of the learner's check tasks greedily than `skill_floor`
+      (learner/skill_check.py): the skill guard's own measure, on tasks it never judges."""
     past_kl = kl is not None and max_kl is not None and kl > max_kl
     past_drop = anchor_drop is not None and max_anchor_drop is not None and anchor_drop > max_anchor_drop
-    return (past_kl or past_drop) and backtracks < most
+    under_floor = skill is not None and skill_floor is not None and skill < skill_floor
+    return (past_kl or past_drop or under_floor) and backtracks < most
 
 
 def advantage_stats(advantages: torch.Tensor) -> dict[str, float]:

@@ -39,6 +39,7 @@ from pydantic import ValidationError
 
 from learner import distributed
 from learner.mix import ReplayBuffer, held_step, settled_step
+from learner.skill_check import SkillCheck
 from learner.trainer import Trainer, problem
 from liverl.contracts import DeadLetter, RewardedSample, Topics
 from liverl.faults import crash_point
@@ -154,6 +155,7 @@ class Learner:
         rewind = self.registry.last_rewind()
         self.applied_rewind = rewind.id if rewind else 0  # head() has taken it into account
         self.trainer = self.trainer_at(self.current)
+        self.skill_check = SkillCheck.configured(self.config, settings.rollouts)
         self.serving: set[str] = set()  # versions on replicas now: their samples are never stale
         self.steps_behind: dict[tuple[str, str], int | None] = {}  # (behaviour, current): Registry.steps_apart
         self.pending: dict[str, RewardedSample] = {}
@@ -394,7 +396,8 @@ class Learner:
                             self.config.settled_lr_scale) * held_step(
             self.registry.rewinds_since(self.stable().version), self.config.held_lr_scale, self.config.held_lr_floor)
         metrics = self.trainer.train((train or batch) + replayed, seed=self.current.seq, lr_scale=step,
-                                     anchor=self.replay.passed(self.config.skill_anchor_samples, self.current.seq))
+                                     anchor=self.replay.passed(self.config.skill_anchor_samples, self.current.seq),
+                                     skill_check=self.skill_check, skill_floor=self.skill_floor())
         crash_point("learner.after_train")
         metrics["replayed_samples"] = len(replayed)
         metrics["lr_scale"] = step  # below 1: a settled version, or one after the guard rewound (learner/mix.py)
@@ -427,6 +430,8 @@ class Learner:
             sample_ids=[s.sample_id for s in batch], actor="learner", dropped=self.dropped_ids,
         )
         unnamed_state.replace(self.state_dir / f"{version.version}.pt")
+        if self.skill_check is not None:
+            self.skill_check.remember(version.version)
         if self.holdout:
             self.holdout_ratios = (version.version, {s.event_id: r for s, r in
                                                      zip(self.holdout, candidate_ratios.tolist(), strict=True)})
@@ -450,6 +455,14 @@ class Learner:
             if not (self.settings.policies_dir / state.stem).exists():
                 state.unlink()
         return version
+
+    def skill_floor(self) -> float | None:
+        """The least share of the learner's check tasks its next version may solve (learner/skill_check.py)."""
+        if self.skill_check is None:
+            return None
+        stable = self.stable()
+        return self.skill_check.floor((self.current.version, self.current.model_dir),
+                                      (stable.version, stable.model_dir))
 
     def offline_gate(self, candidate_ratios: torch.Tensor, staged: Path) -> Verdict:
         """The candidate against its parent on the held-out samples (policies/offline_eval.py)."""

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -57,6 +57,9 @@ from learner.sharding import gathered, like, rank_and_world, resharded
 from liverl.contracts import Architecture, RewardedSample, misfit
 from liverl.probe import PROBE_FILE, probe_logprobs
 from liverl.settings import LearnerConfig, LoraConfig
+
+if TYPE_CHECKING:
+    from learner.skill_check import SkillCheck
 
 
 @dataclass
@@ -318,10 +321,12 @@ class Trainer:
         return sample.tenant
 
     def train(self, samples: list[RewardedSample], seed: int = 0, lr_scale: float = 1.0,
-              anchor: list[RewardedSample] | None = None) -> dict:
+              anchor: list[RewardedSample] | None = None, skill_check: SkillCheck | None = None,
+              skill_floor: float | None = None) -> dict:
         """One version's worth of updates on `samples`, each step at `lr_scale` of the lr (a
         settled version's: learner/mix.py), holding the parent's likelihood of `anchor`'s
-        completions with `skill_anchor_coef`; returns its metrics."""
+        completions with `skill_anchor_coef`, and the share of `skill_check`'s tasks solved at
+        `skill_floor` or more (by the line search); returns its metrics."""
         self.model.train()
         anchored = self.config.skill_anchor_coef > 0 or self.config.max_skill_anchor_drop is not None
         self.anchor = self.anchored(anchor) if anchor and anchored else None
@@ -336,21 +341,22 @@ class Trainer:
             raise ValueError("kl_reference=stable: no reference weights (Trainer.use_reference)")
         # The first minibatch's samples, to see how far the version moves from its parent.
         watched, parent_watch = self.watch(samples[: self.config.minibatch])
-        limited = self.config.max_kl_from_parent is not None or self.config.max_skill_anchor_drop is not None
+        config = self.config
+        limited = (config.max_kl_from_parent is not None or config.max_skill_anchor_drop is not None
+                   or skill_check is not None)
         adam = copy.deepcopy(self.optimizer.state_dict()) if limited else None
         lr, step_lr, backtracks = self.lr, self.lr * lr_scale, 0
-        warm = warmup_share(self.updates_taken(), self.config.lr_warmup_updates) == 1.0
+        warm = warmup_share(self.updates_taken(), config.lr_warmup_updates) == 1.0
         steps, failed, shift = self.steps(samples, advantages, seed, step_lr, parent, reference, watched, parent_watch)
-        full_step_kl, anchor_drop = shift.get("kl_from_parent"), self.anchor_drop()
-        config = self.config
+        full_step_kl, anchor_drop, skill = shift.get("kl_from_parent"), self.anchor_drop(), self.skill(skill_check)
         while adam is not None and backtracked(shift.get("kl_from_parent"), config.max_kl_from_parent,
                                                anchor_drop.get("skill_anchor_drop"), config.max_skill_anchor_drop,
-                                               backtracks, config.kl_backtracks):
+                                               backtracks, config.kl_backtracks, skill, skill_floor):
             self.restore(self.parent, adam)  # the step ran past the trust region: from the parent, half of it
             step_lr, backtracks = step_lr / 2, backtracks + 1
             steps, failed, shift = self.steps(samples, advantages, seed, step_lr, parent, reference, watched,
                                               parent_watch)
-            anchor_drop = self.anchor_drop()
+            anchor_drop, skill = self.anchor_drop(), self.skill(skill_check)
         self.lr = lr
         # A smaller step's KL says nothing of what the full step would move: not adapted by it
         # (a backtracked version's full step is its first; a warming-up one's is still to come).
@@ -360,6 +366,7 @@ class Trainer:
                 "mean_reward": sum(s.reward for s in samples) / len(samples),
                 **summarise(steps, self.config.router_replay), **advantage_stats(advantages), **shift,
                 **anchor_drop,
+                **({} if skill is None else {"skill_check_pass_rate": skill, "skill_check_floor": skill_floor}),
                 # Samples that broke a step and were skipped: the service dead-letters them.
                 "untrainable": {samples[i].sample_id: why for i, why in failed.items()}}
 
@@ -403,6 +410,10 @@ class Trainer:
         with torch.no_grad():
             drop = self.anchor_loss().item()
         return {"skill_anchor_drop": drop, "skill_anchor_samples": len(self.anchor[0].sample_of_row.unique())}
+
+    def skill(self, check: SkillCheck | None) -> float | None:
+        """The share of `check`'s tasks the version's weights solve greedily now (None: no check)."""
+        return None if check is None else check.solve(causal_lm(self.model), self.tokenizer)
 
     def restore(self, weights: dict[str, torch.Tensor], adam: dict) -> None:
         """The trained weights and Adam's state as they were (`snapshot`, the optimizer's state dict)."""

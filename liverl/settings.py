@@ -458,8 +458,15 @@ class LearnerConfig(Config):
         None, gt=0.0, description="A version that lowered its skill anchor's passed rollout completions (skill_"
         "anchor_samples from the replay buffer) by more than this many nats a token is undone and trained again "
         "at half the lr, as max_kl_from_parent does (`learner/rl.py: backtracked`); None: no limit.")
+    skill_check_tasks: int = Field(
+        0, ge=0, description="Tasks of the rollout environment's training split the learner solves greedily "
+        "after each version (`learner/skill_check.py`); one that solves a smaller share than the lower of its "
+        "parent's and stable's, less skill_check_margin, is trained again at half the lr, as max_kl_from_parent "
+        "does; 0: no check.")
+    skill_check_margin: Fraction = Field(0.02, description="How far under the lower of its parent's and stable's "
+                                         "share of the check tasks a version may solve (skill_check_tasks).")
     kl_backtracks: int = Field(3, ge=1, description="Most times one version is trained again at half the lr "
-                               "(max_kl_from_parent, max_skill_anchor_drop).")
+                               "(max_kl_from_parent, max_skill_anchor_drop, skill_check_tasks).")
     lr_warmup_updates: int = Field(0, ge=0, description="Optimizer updates over which the lr rises linearly to "
                                    "its whole from 1/N of it (`learner/rl.py: warmup_share`), counted by Adam's own "
                                    "state, so a restart or a rewind resumes the count; 0: no warmup.")

@@ -67,8 +67,12 @@ class Environment(ABC):
 
     def heldout(self, count: int, seed: int = 0) -> list[Task]:
         """`count` distinct held-out tasks, the same ones for the same seed (the pass-rate set)."""
+        return self.distinct("heldout", count, seed)
+
+    def distinct(self, split: Split, count: int, seed: int = 0) -> list[Task]:
+        """`count` distinct tasks of `split`, the same ones for the same seed."""
         tasks: dict[str, Task] = {}
-        stream = self.tasks("heldout", random.Random(seed))
+        stream = self.tasks(split, random.Random(seed))
         for _ in range(count * 50):
             task = next(stream, None)
             if task is None:
@@ -77,7 +81,7 @@ class Environment(ABC):
             if len(tasks) == count:
                 return list(tasks.values())
         raise ValueError(f"{self.name or type(self).__name__} environment: fewer than {count} distinct "
-                         "held-out tasks (at these levels)")
+                         f"{split} tasks (at these levels)")
 
 
 class MultiTurnEnvironment(Environment):

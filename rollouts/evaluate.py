@@ -56,7 +56,12 @@ def greedy_solved(model_dir: Path, environment: Environment, tasks: list[Task], 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         lines = greedy_first_lines(model, tokenizer, tasks, max_tokens)
-    known = {} if known is None else known
+    return lines_solved(environment, tasks, lines, {} if known is None else known, scoring_threads)
+
+
+def lines_solved(environment: Environment, tasks: list[Task], lines: list[str],
+                 known: MutableMapping[tuple[str, str], bool], scoring_threads: int = 2) -> list[bool]:
+    """Whether each task's line solves it, each (task, line) not in `known` run in the sandbox once."""
     todo = {(t.task_id, line): (t, line) for t, line in zip(tasks, lines, strict=True)
             if (t.task_id, line) not in known}
     with ThreadPoolExecutor(scoring_threads) as scoring:

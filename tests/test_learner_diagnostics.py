@@ -264,6 +264,48 @@ def test_a_version_that_lowered_its_skill_anchor_past_the_limit_is_trained_again
     assert alone["backtracks"] == 0 and "skill_anchor_drop" not in alone
 
 
+def test_a_version_that_solves_fewer_check_tasks_than_its_floor_is_trained_again_at_half_the_lr(
+        starter_dir: Path, tmp_path: Path):
+    """`learner.skill_check_tasks`: after its steps the learner solves training-split tasks
+    greedily, as the evaluator solves held-out ones, and a version under its floor is undone
+    and trained again at half the lr, up to kl_backtracks times, then published as it is."""
+    from learner.skill_check import SkillCheck
+    from rollouts.coding import CodingEnvironment
+    from rollouts.evaluate import greedy_solved
+
+    environment = CodingEnvironment(levels=[1], train_params="wide")
+    check = SkillCheck(environment, tasks=12, margin=0.0, max_tokens=16)
+    assert not {t.task_id for t in check.tasks} & {t.task_id for t in environment.heldout(200)}
+    samples = sampled(starter_dir, count=6)
+    config = LearnerConfig(minibatch=6, lr=1e-3, epochs=2, kl_backtracks=2)
+    trainer = Trainer(starter_dir, config)
+    kept = trainer.train(samples, skill_check=check, skill_floor=0.0)
+    assert kept["backtracks"] == 0 and kept["skill_check_floor"] == 0.0
+    # The share recorded is that of the weights the version keeps, as the evaluator would score them.
+    trainer.export(tmp_path / "kept")
+    solved = greedy_solved(tmp_path / "kept", environment, check.tasks)
+    assert check.last == solved and kept["skill_check_pass_rate"] == sum(solved) / 12
+    # A floor no step reaches: the line search runs out of tries, and the version is published.
+    unreachable = Trainer(starter_dir, config).train(samples, skill_check=check, skill_floor=1.01)
+    assert unreachable["backtracks"] == 2 and unreachable["lr"] == pytest.approx(1e-3 / 4)
+    assert "skill_check_pass_rate" not in Trainer(starter_dir, config).train(samples)  # no check, no figure
+
+
+def test_the_check_floor_is_the_lower_of_the_parent_and_stable_less_the_margin(tmp_path: Path):
+    """Stable's share binds the steps since stable together; a parent already under it, its own."""
+    from learner.skill_check import SkillCheck
+    from rollouts.coding import CodingEnvironment
+
+    check = SkillCheck(CodingEnvironment(levels=[1]), tasks=10, margin=0.1, max_tokens=16)
+    for version, solved in (("v3", 5), ("v5", 4), ("v6", 7)):
+        check.last = [True] * solved + [False] * (10 - solved)
+        check.remember(version)
+    assert check.floor(("v6", ""), ("v3", "")) == pytest.approx(0.4)  # stable v3's 0.5, less 0.1
+    assert check.floor(("v5", ""), ("v3", "")) == pytest.approx(0.3)  # the parent's 0.4 is lower
+    with pytest.raises(OSError):  # a version never checked is read from its weights
+        check.floor(("v7", str(tmp_path / "absent")), ("v3", ""))
+
+
 def test_the_anchor_draws_members_that_did_better_than_their_group():
     from learner.mix import ReplayBuffer
 
