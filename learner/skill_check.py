@@ -7,8 +7,8 @@ than 5 points of the skill, and each hold threw production's progress away. Sixt
 completions' likelihood (`max_skill_anchor_drop`) is a weak stand-in for tasks solved greedily. So
 the learner solves check tasks itself, greedily, as the evaluator does, on tasks of the *training*
 split (the held-out ones stay the guard's: a version chosen on them would be judged on what chose
-it), and a version that solves more than `skill_check_margin` fewer of them than the lower of its
-parent and stable is trained again at half the lr (`learner/rl.py: backtracked`).
+it), and a version that solves more than `skill_check_margin` fewer of them than stable (or fewer
+than its parent, where that is lower) is trained again at half the lr (`learner/rl.py: backtracked`).
 """
 
 from __future__ import annotations
@@ -66,11 +66,13 @@ class SkillCheck:
         return sum(self.by_version[version]) / len(self.tasks)
 
     def floor(self, parent: tuple[str, str], stable: tuple[str, str]) -> float:
-        """The least share a version of `parent` may solve ((version, model_dir) each): the lower
-        of its parent's and stable's, less the margin. The parent's bounds each step; stable's,
-        what the guard compares with, the steps since stable together; the lower of the two, so
-        that a parent already under stable's floor is not asked for what no smaller step gives."""
-        return min(self.of(*parent), self.of(*stable)) - self.margin
+        """The least share a version of `parent` may solve ((version, model_dir) each): stable's,
+        what the guard compares with, less the margin, so that the steps since stable lose no more
+        than the margin together (a floor under the parent's alone lets each of them lose it
+        again: on bench_mix, eight points over thirty versions, each within two of its parent);
+        a parent already under that, its own share, so that it is not asked for what no smaller
+        step gives, and loses no more."""
+        return min(self.of(*stable) - self.margin, self.of(*parent))
 
     def remember(self, version: str) -> None:
         """The newest weights checked are now `version`'s."""

@@ -460,11 +460,11 @@ class LearnerConfig(Config):
         "at half the lr, as max_kl_from_parent does (`learner/rl.py: backtracked`); None: no limit.")
     skill_check_tasks: int = Field(
         0, ge=0, description="Tasks of the rollout environment's training split the learner solves greedily "
-        "after each version (`learner/skill_check.py`); one that solves a smaller share than the lower of its "
-        "parent's and stable's, less skill_check_margin, is trained again at half the lr, as max_kl_from_parent "
-        "does; 0: no check.")
-    skill_check_margin: Fraction = Field(0.02, description="How far under the lower of its parent's and stable's "
-                                         "share of the check tasks a version may solve (skill_check_tasks).")
+        "after each version (`learner/skill_check.py`); one that solves a smaller share than stable's less "
+        "skill_check_margin (or than its parent's, where that is lower) is trained again at half the lr, as "
+        "max_kl_from_parent does; 0: no check.")
+    skill_check_margin: Fraction = Field(0.02, description="How far under stable's share of the check tasks "
+                                         "the versions since stable may fall (skill_check_tasks).")
     kl_backtracks: int = Field(3, ge=1, description="Most times one version is trained again at half the lr "
                                "(max_kl_from_parent, max_skill_anchor_drop, skill_check_tasks).")
     lr_warmup_updates: int = Field(0, ge=0, description="Optimizer updates over which the lr rises linearly to "

@@ -291,7 +291,7 @@ def test_a_version_that_solves_fewer_check_tasks_than_its_floor_is_trained_again
     assert "skill_check_pass_rate" not in Trainer(starter_dir, config).train(samples)  # no check, no figure
 
 
-def test_the_check_floor_is_the_lower_of_the_parent_and_stable_less_the_margin(tmp_path: Path):
+def test_the_check_floor_is_stables_share_less_the_margin_or_a_lower_parents_own(tmp_path: Path):
     """Stable's share binds the steps since stable together; a parent already under it, its own."""
     from learner.skill_check import SkillCheck
     from rollouts.coding import CodingEnvironment
@@ -301,9 +301,12 @@ def test_the_check_floor_is_the_lower_of_the_parent_and_stable_less_the_margin(t
         check.last = [True] * solved + [False] * (10 - solved)
         check.remember(version)
     assert check.floor(("v6", ""), ("v3", "")) == pytest.approx(0.4)  # stable v3's 0.5, less 0.1
-    assert check.floor(("v5", ""), ("v3", "")) == pytest.approx(0.3)  # the parent's 0.4 is lower
+    assert check.floor(("v5", ""), ("v3", "")) == pytest.approx(0.4)  # the parent's 0.4: no lower
+    check.last = [True] * 3 + [False] * 7
+    check.remember("v7")
+    assert check.floor(("v7", ""), ("v3", "")) == pytest.approx(0.3)  # a parent under stable's floor: its own
     with pytest.raises(OSError):  # a version never checked is read from its weights
-        check.floor(("v7", str(tmp_path / "absent")), ("v3", ""))
+        check.floor(("v8", str(tmp_path / "absent")), ("v3", ""))
 
 
 def test_the_anchor_draws_members_that_did_better_than_their_group():
