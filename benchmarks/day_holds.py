@@ -5,7 +5,9 @@ whether an ancestor since stable had passed the skill guard, and where the learn
 (stable, or with `promotion.skill_rewind` last_passed that ancestor). Then, for runs whose
 learner recorded the skill anchor's drop (`learner.max_skill_anchor_drop` or
 `skill_anchor_coef` set), that drop for the candidates the guard held and those it passed, and
-the versions the line search trained again.
+the versions the line search trained again. And for runs whose learner ran its own check
+(`learner.skill_check_tasks`), each candidate the guard held: its share of the check tasks and
+its held-out pass rate, each against the stable it was held against.
 
     .venv/bin/python benchmarks/day_holds.py .liverl/bench-day-skill/ret200 .liverl/bench-day-skill/rewind
 """
@@ -70,6 +72,27 @@ def main(arms: list[Path] = typer.Argument(..., help="Each arm's --data-dir (see
                        spread(drops["held"]), spread(drops["non_inferior"]))
     if anchor.row_count:
         console.print(anchor)
+    check_table(arms, console)
+
+
+def check_table(arms: list[Path], console: Console) -> None:
+    """The learner's check share and the held-out pass rate of each held candidate, against stable's."""
+    table = Table("arm", "seed", "held", "against", "check share", "held-out pass rate")
+    for arm in arms:
+        for policies in sorted(arm.glob("seed-*/demo/policies")):
+            registry = Registry(policies)
+            for version in registry.versions():
+                if "skill_check_pass_rate" not in version.metrics or version.metrics.get("skill", {}).get(
+                        "verdict") != "held":
+                    continue
+                lost = [c for c in version.metrics["skill"]["comparisons"] if c["lost_skill"]]
+                reference = registry.get(lost[0]["reference"])
+                table.add_row(arm.name, policies.parent.parent.name, version.version, reference.version,
+                              f"{version.metrics['skill_check_pass_rate']:.3f} against "
+                              f"{reference.metrics.get('skill_check_pass_rate', float('nan')):.3f}",
+                              f"{lost[0]['pass_rate']:.3f} against {lost[0]['reference_pass_rate']:.3f}")
+    if table.row_count:
+        console.print(table)
 
 
 def spread(values: list[float]) -> str:
