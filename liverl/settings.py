@@ -366,6 +366,9 @@ class LearnerConfig(Config):
         if self.lora is not None and self.frozen_parameters:
             raise ValueError("LIVERL_LEARNER__LORA trains adapters on a frozen base: "
                              "LIVERL_LEARNER__FROZEN_PARAMETERS has nothing to freeze beside it")
+        if self.skill_check_tasks and self.ranks > 1:
+            raise ValueError("LIVERL_LEARNER__SKILL_CHECK_TASKS needs one rank (LIVERL_LEARNER__RANKS=1): the check "
+                             "solves its tasks on the trainer's weights, which several ranks hold in shards")
         if self.target_kl is not None and not self.lr_min <= self.lr <= self.lr_max:
             raise ValueError(f"LIVERL_LEARNER__LR ({self.lr}) must lie within LIVERL_LEARNER__LR_MIN "
                              f"({self.lr_min}) and LIVERL_LEARNER__LR_MAX ({self.lr_max}) when "

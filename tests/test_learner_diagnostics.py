@@ -309,6 +309,11 @@ def test_the_check_floor_is_stables_share_less_the_margin_or_a_lower_parents_own
         check.floor(("v8", str(tmp_path / "absent")), ("v3", ""))
 
 
+def test_the_check_is_not_asked_of_a_learner_on_several_ranks():
+    with pytest.raises(ValueError, match="SKILL_CHECK_TASKS needs one rank"):
+        LearnerConfig(skill_check_tasks=10, ranks=2)
+
+
 def test_the_anchor_draws_members_that_did_better_than_their_group():
     from learner.mix import ReplayBuffer
 
