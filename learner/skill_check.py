@@ -46,7 +46,9 @@ class SkillCheck:
                    rollouts.max_tokens)
 
     def solve(self, model: torch.nn.Module, tokenizer) -> float:
-        """The share of check tasks the weights in `model` solve greedily now (kept in `last`)."""
+        """The share of check tasks the weights in `model` solve greedily now (kept in `last`): the
+        trainer's fp32 weights, where the evaluator scores the bf16 export (a near-tie between two
+        tokens may go the other way there)."""
         side, was_training = tokenizer.padding_side, model.training
         model.eval()
         try:
