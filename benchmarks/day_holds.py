@@ -7,7 +7,9 @@ learner recorded the skill anchor's drop (`learner.max_skill_anchor_drop` or
 `skill_anchor_coef` set), that drop for the candidates the guard held and those it passed, and
 the versions the line search trained again. And for runs whose learner ran its own check
 (`learner.skill_check_tasks`), each candidate the guard held: its share of the check tasks and
-its held-out pass rate, each against the stable it was held against.
+its held-out pass rate, each against the stable it was held against. Last, per seed: the
+versions trained, those the line search trained again (and to its last try), and the learner's
+seconds a version at the median.
 
     .venv/bin/python benchmarks/day_holds.py .liverl/bench-day-skill/ret200 .liverl/bench-day-skill/rewind
 """
@@ -73,6 +75,7 @@ def main(arms: list[Path] = typer.Argument(..., help="Each arm's --data-dir (see
     if anchor.row_count:
         console.print(anchor)
     check_table(arms, console)
+    pace_table(arms, console)
 
 
 def check_table(arms: list[Path], console: Console) -> None:
@@ -93,6 +96,22 @@ def check_table(arms: list[Path], console: Console) -> None:
                               f"{lost[0]['pass_rate']:.3f} against {lost[0]['reference_pass_rate']:.3f}")
     if table.row_count:
         console.print(table)
+
+
+def pace_table(arms: list[Path], console: Console) -> None:
+    """Per seed: versions trained, backtracked (to the last try), the learner's median seconds a version."""
+    table = Table("arm", "seed", "versions", "backtracked (to the last try)", "seconds a version, median")
+    for arm in arms:
+        for policies in sorted(arm.glob("seed-*/demo/policies")):
+            trained = [v.metrics for v in Registry(policies).versions() if "train_seconds" in v.metrics]
+            if not trained:
+                continue
+            tries = [m.get("backtracks", 0) for m in trained]
+            last_try = max(tries)
+            table.add_row(arm.name, policies.parent.parent.name, str(len(trained)),
+                          f"{sum(t > 0 for t in tries)} ({tries.count(last_try) if last_try else 0} {last_try} times)",
+                          f"{statistics.median(m['train_seconds'] for m in trained):.1f}")
+    console.print(table)
 
 
 def spread(values: list[float]) -> str:
