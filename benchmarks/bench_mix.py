@@ -24,6 +24,8 @@ Any of them with `--set max_skill_anchor_drop=0.05`: a version that lowered thos
 by more than that is trained again at half the lr (`learner/rl.py: backtracked`).
 Any of them with `--set settled_reward=0.8` (and `settled_lr_scale`): a version whose
 production accept reached it steps a share of the lr (`learner/mix.py: settled_step`).
+Any of them with `--set own_groups=4`: each day version also trains 4 groups the learner samples
+itself from its parent (`learner/own_groups.py`).
 
 Held-out: `--heldout` tasks greedily (`rollouts/evaluate.py`, as the evaluator) at the
 start, after the night and every `--eval-every` versions of the day.
@@ -52,10 +54,11 @@ from bench_ablation import HOLDOUT, learner_config, published, sample  # noqa: E
 
 from app.demo import hidden_rule, make_prompt  # noqa: E402
 from learner.mix import ReplayBuffer, as_if_sampled_now, settled_step  # noqa: E402
+from learner.own_groups import OwnGroups  # noqa: E402
 from learner.skill_check import SkillCheck  # noqa: E402
 from learner.trainer import Trainer  # noqa: E402
 from liverl.contracts import RewardedSample, Trajectory  # noqa: E402
-from liverl.settings import Settings  # noqa: E402
+from liverl.settings import RolloutsConfig, Settings  # noqa: E402
 from policies.starter import build_starter_policy  # noqa: E402
 from rollouts.coding import CodingEnvironment  # noqa: E402
 from rollouts.evaluate import greedy_solved  # noqa: E402
@@ -151,6 +154,8 @@ def run(seed: int, policy: str, overrides: dict, trough_rounds: int, day_rounds:
         versions.append(published(trainer))
         return metrics
 
+    own = OwnGroups(env, config.own_groups, RolloutsConfig(group_size=group_size, max_tokens=16)) if (
+        config.own_groups) else None
     if config.kl_coef > 0:  # kl_reference=stable: the starter through the night, then the night's last version
         trainer.use_reference(model_dir)
     for k in range(trough_rounds):
@@ -173,6 +178,8 @@ def run(seed: int, policy: str, overrides: dict, trough_rounds: int, day_rounds:
         replayed = buffer.take(count)
         if policy == "anchor":
             replayed = as_if_sampled_now(trainer, replayed)
+        # With `--set own_groups=N`, N groups the learner samples itself from this version's parent.
+        replayed += own.sample(trainer, str(k), k) if own else []
         # With `--set settled_reward=...`, the learner's smaller step once production is learned.
         step = settled_step([s.reward for s in samples], 0, config.settled_reward, config.settled_lr_scale)
         metrics = trained(train + replayed, k, stable=lags["stable"][0], lr_scale=step)

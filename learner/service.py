@@ -39,6 +39,7 @@ from pydantic import ValidationError
 
 from learner import distributed
 from learner.mix import ReplayBuffer, held_step, settled_step
+from learner.own_groups import OwnGroups
 from learner.skill_check import SkillCheck
 from learner.trainer import Trainer, problem
 from liverl.contracts import DeadLetter, RewardedSample, Topics
@@ -156,6 +157,7 @@ class Learner:
         self.applied_rewind = rewind.id if rewind else 0  # head() has taken it into account
         self.trainer = self.trainer_at(self.current)
         self.skill_check = SkillCheck.configured(self.config, settings.rollouts)
+        self.own_groups = OwnGroups.configured(self.config, settings.rollouts)
         self.serving: set[str] = set()  # versions on replicas now: their samples are never stale
         self.steps_behind: dict[tuple[str, str], int | None] = {}  # (behaviour, current): Registry.steps_apart
         self.pending: dict[str, RewardedSample] = {}
@@ -377,6 +379,17 @@ class Learner:
             per_version=per_version,
         )
 
+    def beside_production(self, chosen: list[OpenGroup]) -> tuple[list[RewardedSample], list[RewardedSample]]:
+        """What a version with production samples trains beside them: rollout groups trained
+        before, replayed (learner/mix.py), and the learner's own groups (learner/own_groups.py).
+        Neither is learned again in the registry's record. The fresh groups join the replay."""
+        replayed = self.replay.take(self.config.replay_groups - len(chosen)) if self.pending else []
+        own = self.own_groups.sample(self.trainer, self.current.version, self.current.seq) if (
+            self.own_groups and self.pending) else []
+        self.replay.remember([s for s in g.members.values() if not held_out(s, self.config.holdout_fraction)]
+                             for g in chosen if not g.uniform)
+        return replayed, own
+
     def learn(self, consumer: KafkaConsumer) -> PolicyVersion:
         chosen = self.take_groups()
         # In a fixed order: a version is a function of its parent and its samples, not of
@@ -385,21 +398,19 @@ class Learner:
                        key=lambda s: s.sample_id)
         train = [s for s in batch if not held_out(s, self.config.holdout_fraction)]
         self.holdout = (self.holdout + [s for s in batch if held_out(s, self.config.holdout_fraction)])[-512:]
-        # Replayed groups train, and are not learned again in the registry's record (learner/mix.py).
-        replayed = self.replay.take(self.config.replay_groups - len(chosen)) if self.pending else []
-        self.replay.remember([s for s in g.members.values() if not held_out(s, self.config.holdout_fraction)]
-                             for g in chosen if not g.uniform)
+        replayed, own = self.beside_production(chosen)
         if self.config.kl_coef > 0 and self.config.kl_reference == "stable":
             self.trainer.use_reference(Path(self.stable().model_dir))
         started = time.time()
         step = settled_step([s.reward for s in self.pending.values()], len(chosen), self.config.settled_reward,
                             self.config.settled_lr_scale) * held_step(
             self.registry.rewinds_since(self.stable().version), self.config.held_lr_scale, self.config.held_lr_floor)
-        metrics = self.trainer.train((train or batch) + replayed, seed=self.current.seq, lr_scale=step,
+        metrics = self.trainer.train((train or batch) + replayed + own, seed=self.current.seq, lr_scale=step,
                                      anchor=self.replay.passed(self.config.skill_anchor_samples, self.current.seq),
                                      skill_check=self.skill_check, skill_floor=self.skill_floor())
         crash_point("learner.after_train")
         metrics["replayed_samples"] = len(replayed)
+        metrics["own_samples"], metrics["own_reward"] = len(own), sum(s.reward for s in own) / max(len(own), 1)
         metrics["lr_scale"] = step  # below 1: a settled version, or one after the guard rewound (learner/mix.py)
         metrics["train_seconds"] = time.time() - started
         metrics["tokens_per_second"] = metrics["tokens"] * self.config.epochs / max(metrics["train_seconds"], 1e-9)

@@ -366,6 +366,9 @@ class LearnerConfig(Config):
         if self.lora is not None and self.frozen_parameters:
             raise ValueError("LIVERL_LEARNER__LORA trains adapters on a frozen base: "
                              "LIVERL_LEARNER__FROZEN_PARAMETERS has nothing to freeze beside it")
+        if self.own_groups and self.ranks > 1:
+            raise ValueError("LIVERL_LEARNER__OWN_GROUPS needs one rank (LIVERL_LEARNER__RANKS=1): the learner samples "
+                             "them from the trainer's weights, which several ranks hold in shards")
         if self.skill_check_tasks and self.ranks > 1:
             raise ValueError("LIVERL_LEARNER__SKILL_CHECK_TASKS needs one rank (LIVERL_LEARNER__RANKS=1): the check "
                              "solves its tasks on the trainer's weights, which several ranks hold in shards")
@@ -395,6 +398,10 @@ class LearnerConfig(Config):
                                "samples trains again, less the fresh groups it takes (lending comes in troughs; "
                                "production alone trains away what rollouts taught: docs/learning.md); 0: none.")
     replay_buffer: int = Field(64, ge=1, description="Most recent trained rollout groups kept for replay_groups.")
+    own_groups: int = Field(0, ge=0, description="Rollout groups the learner samples itself from each version's "
+                            "parent (tasks of the rollout environment's training split, at its temperature, scored "
+                            "by it) and trains beside a version's production samples: on-policy teaching between "
+                            "the troughs that lend replicas (`learner/own_groups.py`); 0: none.")
     skill_anchor_coef: float = Field(
         0.0, ge=0.0, description="Weight of the skill anchor: each step pulls back up, token by token, what it "
         "lowered below the parent's likelihood of rollout completions that passed (`learner/rl.py: "

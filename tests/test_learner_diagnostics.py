@@ -329,3 +329,45 @@ def test_the_anchor_draws_members_that_did_better_than_their_group():
     assert sorted(s.sample_id for s in buffer.passed(10, seed=0)) == ["a0", "b1"]  # b0 is its group's mean
     assert len(buffer.passed(1, seed=0)) == 1
     assert {buffer.passed(1, seed=s)[0].sample_id for s in range(20)} == {"a0", "b1"}  # a draw per version
+
+
+def test_the_learners_own_groups_are_sampled_from_its_weights_scored_by_the_environment_and_trained(
+        starter_dir: Path):
+    """`learner.own_groups`: each version samples groups of training-split tasks from its
+    parent's weights: whole groups of the rollout size, each member's behaviour logprobs the
+    trainer's own (importance weight 1), its reward the environment's score of its text, the same
+    draw for the same version, a new one for the next; and a version trains on them."""
+    from learner.own_groups import OwnGroups
+    from learner.trainer import problem
+    from liverl.settings import RolloutsConfig
+    from rollouts.coding import CodingEnvironment
+
+    environment = CodingEnvironment(levels=[1, 2], train_params="wide")
+    rollouts = RolloutsConfig(environment="coding", levels=[1, 2], group_size=8, max_tokens=16)
+    trainer = Trainer(starter_dir, LearnerConfig(minibatch=16, lr=1e-3))
+    sampler = OwnGroups(environment, groups=2, rollouts=rollouts)
+    own = sampler.sample(trainer, "v0", seq=1)
+    tasks = {task.prompt: task for task in sampler.tasks(seq=1)}
+    heldout = {t.prompt for t in environment.heldout(200)}
+    groups = {s.trajectory.group_id for s in own}
+    assert len(groups) == 2 and all(sum(s.trajectory.group_id == g for s in own) == 8 for g in groups)
+    for sample in own:
+        t = sample.trajectory
+        assert problem(sample, trainer.arch) is None and t.prompt_text not in heldout
+        assert t.group_size == 8 and t.policy_version == "v0" and sample.tenant == rollouts.tenant
+        assert sample.reward == environment.score(tasks[t.prompt_text], t.completion_text)
+        batch = collate([sample], trainer.tokenizer.pad_token_id, trainer.layers, trainer.top_k)
+        with torch.no_grad():
+            mine = token_logprobs(trainer.model, batch)[batch.completion_mask.bool()]
+        assert torch.allclose(mine, torch.tensor(t.completion_logprobs), atol=1e-5)
+        assert "\n" not in t.completion_text
+    again = OwnGroups(environment, 2, rollouts).sample(trainer, "v0", seq=1)  # a restarted learner's
+    assert [s.trajectory.completion_token_ids for s in again] == [s.trajectory.completion_token_ids for s in own]
+    assert {t.prompt for t in sampler.tasks(seq=2)} != set(tasks)  # the next version, other tasks
+    metrics = trainer.train(own)
+    assert metrics["samples"] == 16 and metrics["untrainable"] == {}
+
+
+def test_own_groups_are_not_asked_of_a_learner_on_several_ranks():
+    with pytest.raises(ValueError, match="OWN_GROUPS needs one rank"):
+        LearnerConfig(own_groups=4, ranks=2)
