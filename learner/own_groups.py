@@ -39,8 +39,9 @@ class OwnGroups:
         return cls(configured_environment(rollouts), learner.own_groups, rollouts) if learner.own_groups else None
 
     def tasks(self, seq: int) -> list[Task]:
-        """Version `seq`'s tasks: a function of its number, as its sampling is, so that a version
-        stays a function of its parent and its inputs (after a restart too)."""
+        """Version `seq`'s tasks (the number it will be published under): a function of it, as its
+        sampling is, so that a version stays a function of its parent and its inputs (after a
+        restart too), and each version trained from one parent after a rewind draws its own."""
         draw = self.environment.tasks("train", random.Random(self.seed * 1_000_003 + seq))
         return [next(draw) for _ in range(self.groups)]
 
