@@ -384,7 +384,7 @@ class Learner:
         before, replayed (learner/mix.py), and the learner's own groups (learner/own_groups.py).
         Neither is learned again in the registry's record. The fresh groups join the replay."""
         replayed = self.replay.take(self.config.replay_groups - len(chosen)) if self.pending else []
-        upcoming = (self.registry.latest() or self.current).seq + 1  # a retry from the same parent after a rewind draws anew
+        upcoming = (self.registry.latest() or self.current).seq + 1  # each retry after a rewind draws anew
         own = self.own_groups.sample(self.trainer, self.current.version, upcoming) if (
             self.own_groups and self.pending) else []
         self.replay.remember([s for s in g.members.values() if not held_out(s, self.config.holdout_fraction)]
