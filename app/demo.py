@@ -741,6 +741,39 @@ def stop_stack(settings: Settings, console: Console) -> None:
         down(settings, say=console.print, force=True)
 
 
+# What the simulated day's learner does beyond the demo's (docs/learning.md, "Skills that hold").
+DAY_LEARNER: dict[str, Any] = {
+    # Rollouts come in the troughs only, and a day of production feedback alone trains the coding
+    # skill away (22% -> 0%: issue 46): each version trains eight of the rollout groups trained
+    # before again beside production's (learner/mix.py; docs/learning.md, "Training for both",
+    # chose eight); the skill guard holds a candidate that lost the skill anyway.
+    "replay_groups": 8,
+    # Between troughs the skill was lost a little at each version of production alone (seed 4 of
+    # Nov 29: 0.215 -> 0.125 over ten stables, no step significant): once users accept 80%, those
+    # versions take half the step (learner/mix.py: settled_step).
+    "settled_reward": 0.8, "settled_lr_scale": 0.5,
+    # The first version moved 0.14-0.71 nats a token from the starter (target 0.04) in ten of ten
+    # days of Nov 30, Adam's first updates each moving every weight by about the lr; in two of them
+    # it lost half the skill and was held, and the starter served until 201-203 s. The first 20
+    # updates (about four versions) warm up (learner/rl.py: warmup_share): v1 then moved 0.02-0.11
+    # and none was held; the day's figures, five seeds each, were not told apart (0.875 and +2.5
+    # points against 0.861 and +1.0: docs/benchmarks.md, "A warmup").
+    "lr_warmup_updates": 20,
+    # A version that lowers 16 passed rollout completions by over 0.02 nats a token trains again at
+    # half the lr (learner/rl.py: backtracked): five days +17.0 held-out points and production 0.859
+    # at the median, four without it -2.3 and 0.641 (docs/learning.md, "A line search on the skill
+    # anchor").
+    "max_skill_anchor_drop": 0.02,
+    # Each version also trains 4 groups of training tasks the learner samples itself from its parent
+    # (learner/own_groups.py): on-policy teaching between the troughs, not only in them. Five days
+    # (Nov 30 night, AMD EPYC): the last stable +19.0 held-out points above the starter at the median
+    # against -1.0 for five of the default without it that evening, production 0.902 (3 of 5 at 0.90)
+    # against 0.938 (5 of 5): on two cores the sampling takes CPU that serving needs
+    # (docs/learning.md, "The learner's own groups").
+    "own_groups": 4,
+}
+
+
 def demo_settings(day: bool = False) -> Settings:
     """The demo's stack: its own data directory, fast cadence, automatic promotion; for a
     simulated day, the capacity scheduler lends idle replicas to coding rollouts."""
@@ -793,26 +826,7 @@ def demo_settings(day: bool = False) -> Settings:
         # one token an update favours those and stops after a name's first token.
         defaults["rollouts"] = {"environment": "coding", "levels": [1, 2], "group_size": 8, "max_tokens": 16,
                                 "train_params": "wide", "heldout_every_s": 60.0}
-        # Rollouts come in the troughs only, and a day of production feedback alone trains the
-        # coding skill away (22% -> 0%: issue 46): each version trains eight of the rollout groups
-        # trained before again beside production's (learner/mix.py; docs/learning.md, "Training
-        # for both", chose eight); the skill guard holds a candidate that lost the skill anyway.
-        defaults["learner"] |= {"replay_groups": 8}
-        # Between troughs the skill was lost a little at each version of production alone (seed 4
-        # of Nov 29: 0.215 -> 0.125 over ten stables, no step significant): once users accept 80%,
-        # those versions take half the step (learner/mix.py: settled_step).
-        defaults["learner"] |= {"settled_reward": 0.8, "settled_lr_scale": 0.5}
-        # The first version moved 0.14-0.71 nats a token from the starter (target 0.04) in ten of
-        # ten days of Nov 30, Adam's first updates each moving every weight by about the lr; in two
-        # of them it lost half the skill and was held, and the starter served until 201-203 s. The
-        # first 20 updates (about four versions) warm up (learner/rl.py: warmup_share): v1 then moved
-        # 0.02-0.11 and none was held; the day's figures, five seeds each, were not told apart
-        # (0.875 and +2.5 points against 0.861 and +1.0: docs/benchmarks.md, "A warmup").
-        defaults["learner"] |= {"lr_warmup_updates": 20}
-        # A version that lowers 16 passed rollout completions by over 0.02 nats a token trains again at
-        # half the lr (learner/rl.py: backtracked): five days +17.0 held-out points and production 0.859
-        # at the median, four without it -2.3 and 0.641 (docs/learning.md, "A line search on the skill anchor").
-        defaults["learner"] |= {"max_skill_anchor_drop": 0.02}
+        defaults["learner"] |= DAY_LEARNER
         # Each canary waits for the candidate's held-out figures (the skill guard), about a second
         # of CPU once the starter's lines are scored. Niced, the evaluator gets what the peaks leave:
         # at 19 the starter's took 158 s (Nov 28); at 5, on a machine slow for this stack, up to 101
