@@ -38,7 +38,8 @@ def runs_in(paths: list[Path]) -> list[dict]:
 
 def main(results: list[Path] = typer.Argument(None, help="Result files; default: every "
                                               "benchmarks/results/day-skill-*/*.json."),
-         plot: Path | None = typer.Option(None, help="Where to draw production against skill, one point a run.")) -> None:
+         plot: Path | None = typer.Option(None, help="Where to draw production against skill, a point a run.")
+         ) -> None:
     root = Path(__file__).parent / "results"
     runs = runs_in(results or list(root.glob("day-skill-*/*.json")))
     fast = [r for r in runs if r["last_2_min"] >= PRODUCTION_TARGET]
