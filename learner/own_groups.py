@@ -93,14 +93,16 @@ class OwnGroups:
 
 
 def written_ids(row: list[int], tokenizer, stop: tuple[str, ...]) -> list[int]:
-    """The tokens a completion wrote. A row that ended is padded after its end: after its
-    end-of-sequence token (which it wrote), or after the token that completed a stop string
-    (the padding may be that same token id, so the text tells the two apart)."""
-    end = next((i for i, token in enumerate(row) if token in (tokenizer.eos_token_id, tokenizer.pad_token_id)), None)
-    if end is None:
-        return row
-    stopped = any(s in tokenizer.decode(row[:end], skip_special_tokens=True) for s in stop)
-    return row[:end] if stopped or row[end] != tokenizer.eos_token_id else row[: end + 1]
+    """The tokens a completion wrote, as a replica reports them: through the token that completed
+    a stop string, or through its end-of-sequence token. The padding after either is not written
+    (it may be the end-of-sequence id itself, so the text tells the two apart)."""
+    ends = (tokenizer.eos_token_id, tokenizer.pad_token_id)
+    for end in range(1, len(row) + 1):
+        if any(s in tokenizer.decode(row[:end], skip_special_tokens=True) for s in stop):
+            return row[:end]
+        if row[end - 1] in ends:
+            return row[:end] if row[end - 1] == tokenizer.eos_token_id else row[:end - 1]
+    return row
 
 
 def until_stop(text: str, stop: tuple[str, ...]) -> str:

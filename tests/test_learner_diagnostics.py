@@ -368,6 +368,24 @@ def test_the_learners_own_groups_are_sampled_from_its_weights_scored_by_the_envi
     assert metrics["samples"] == 16 and metrics["untrainable"] == {}
 
 
+def test_an_own_completion_is_what_a_replica_would_report_it_wrote(starter_dir: Path):
+    """Through the token that completed the stop string, or through its end-of-sequence token;
+    never the padding after either (the starter pads with its end-of-sequence id)."""
+    from transformers import AutoTokenizer
+
+    from learner.own_groups import until_stop, written_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(starter_dir)
+    eos = tokenizer.eos_token_id
+    line = tokenizer.encode("return a + b", add_special_tokens=False)
+    rest = tokenizer.encode("\n    return b", add_special_tokens=False)
+    stopped = written_ids(line + rest + [eos, eos], tokenizer, ("\n",))
+    assert stopped == line + rest[:len(stopped) - len(line)] and "\n" in tokenizer.decode(stopped)
+    assert until_stop(tokenizer.decode(stopped), ("\n",)) == "return a + b"
+    assert written_ids(line + [eos, eos, eos], tokenizer, ("\n",)) == line + [eos]
+    assert written_ids(line, tokenizer, ("\n",)) == line  # cut by max_tokens
+
+
 def test_own_groups_are_not_asked_of_a_learner_on_several_ranks():
     with pytest.raises(ValueError, match="OWN_GROUPS needs one rank"):
         LearnerConfig(own_groups=4, ranks=2)
