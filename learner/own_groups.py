@@ -22,7 +22,7 @@ from learner.mix import as_if_sampled_now
 from learner.trainer import Trainer
 from liverl.contracts import RewardedSample, SamplingParams, Trajectory
 from liverl.settings import LearnerConfig, RolloutsConfig
-from rollouts.environment import Environment, Task, configured_environment
+from rollouts.environment import Environment, MultiTurnEnvironment, Task, configured_environment
 
 REWARD_FN = "own-groups"
 
@@ -36,7 +36,14 @@ class OwnGroups:
     @classmethod
     def configured(cls, learner: LearnerConfig, rollouts: RolloutsConfig) -> OwnGroups | None:
         """The sampler the settings ask for, on the configured environment; None when off."""
-        return cls(configured_environment(rollouts), learner.own_groups, rollouts) if learner.own_groups else None
+        if not learner.own_groups:
+            return None
+        environment = configured_environment(rollouts)
+        if isinstance(environment, MultiTurnEnvironment):
+            raise ValueError(f"LIVERL_LEARNER__OWN_GROUPS samples one turn a completion, and rollouts.environment "
+                             f"{rollouts.environment!r} is played over several: set it to 0, or use a one-turn "
+                             f"environment")
+        return cls(environment, learner.own_groups, rollouts)
 
     def tasks(self, seq: int) -> list[Task]:
         """Version `seq`'s tasks (the number it will be published under): a function of it, as its
@@ -89,7 +96,7 @@ class OwnGroups:
                 sample_id=f"{self.config.tenant}:{completion_id}", event_id=f"{self.config.tenant}:{completion_id}",
                 tenant=self.config.tenant, reward=score, reward_source="feedback", reward_fn_version=REWARD_FN,
                 trajectory=trajectory))
-        return [m for m in members if m.trajectory.completion_token_ids]
+        return members
 
 
 def written_ids(row: list[int], tokenizer, stop: tuple[str, ...]) -> list[int]:

@@ -386,6 +386,12 @@ def test_an_own_completion_is_what_a_replica_would_report_it_wrote(starter_dir: 
     assert written_ids(line, tokenizer, ("\n",)) == line  # cut by max_tokens
 
 
-def test_own_groups_are_not_asked_of_a_learner_on_several_ranks():
+def test_own_groups_are_not_asked_of_a_learner_on_several_ranks_nor_of_a_multi_turn_environment():
+    from learner.own_groups import OwnGroups
+    from liverl.settings import RolloutsConfig
+
     with pytest.raises(ValueError, match="OWN_GROUPS needs one rank"):
         LearnerConfig(own_groups=4, ranks=2)
+    with pytest.raises(ValueError, match="'coding-feedback' is played over several"):
+        OwnGroups.configured(LearnerConfig(own_groups=4), RolloutsConfig(environment="coding-feedback"))
+    assert OwnGroups.configured(LearnerConfig(), RolloutsConfig()) is None
