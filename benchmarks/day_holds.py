@@ -8,8 +8,9 @@ learner recorded the skill anchor's drop (`learner.max_skill_anchor_drop` or
 the versions the line search trained again. And for runs whose learner ran its own check
 (`learner.skill_check_tasks`), each candidate the guard held: its share of the check tasks and
 its held-out pass rate, each against the stable it was held against. Last, per seed: the
-versions trained, those the line search trained again (and to its last try), and the learner's
-seconds a version at the median.
+versions trained, those the line search trained again (and to its last try), the learner's
+seconds a version at the median, and (`learner.own_groups`) the versions that trained the learner's
+own groups and those groups' mean reward at the median.
 
     .venv/bin/python benchmarks/day_holds.py .liverl/bench-day-skill/ret200 .liverl/bench-day-skill/rewind
 """
@@ -99,8 +100,9 @@ def check_table(arms: list[Path], console: Console) -> None:
 
 
 def pace_table(arms: list[Path], console: Console) -> None:
-    """Per seed: versions trained, backtracked (to the last try), the learner's median seconds a version."""
-    table = Table("arm", "seed", "versions", "backtracked (to the last try)", "seconds a version, median")
+    """Per seed: versions trained, backtracked (to the last try), the learner's median seconds a version, own groups."""
+    table = Table("arm", "seed", "versions", "backtracked (to the last try)", "seconds a version, median",
+                  "with own groups", "own groups' reward, median")
     for arm in arms:
         for policies in sorted(arm.glob("seed-*/demo/policies")):
             trained = [v.metrics for v in Registry(policies).versions() if "train_seconds" in v.metrics]
@@ -108,9 +110,11 @@ def pace_table(arms: list[Path], console: Console) -> None:
                 continue
             tries = [m.get("backtracks", 0) for m in trained]
             last_try = max(tries)
+            own = [m["own_reward"] for m in trained if m.get("own_samples")]
             table.add_row(arm.name, policies.parent.parent.name, str(len(trained)),
                           f"{sum(t > 0 for t in tries)} ({tries.count(last_try) if last_try else 0} {last_try} times)",
-                          f"{statistics.median(m['train_seconds'] for m in trained):.1f}")
+                          f"{statistics.median(m['train_seconds'] for m in trained):.1f}", str(len(own)),
+                          f"{statistics.median(own):.2f}" if own else "-")
     console.print(table)
 
 

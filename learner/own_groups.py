@@ -45,11 +45,15 @@ class OwnGroups:
                              f"environment")
         return cls(environment, learner.own_groups, rollouts)
 
+    def version_seed(self, seq: int) -> int:
+        """The seed of version `seq`'s draw: one of its own for every version number."""
+        return self.seed * 1_000_003 + seq
+
     def tasks(self, seq: int) -> list[Task]:
         """Version `seq`'s tasks (the number it will be published under): a function of it, as its
         sampling is, so that a version stays a function of its parent and its inputs (after a
         restart too), and each version trained from one parent after a rewind draws its own."""
-        draw = self.environment.tasks("train", random.Random(self.seed * 1_000_003 + seq))
+        draw = self.environment.tasks("train", random.Random(self.version_seed(seq)))
         return [next(draw) for _ in range(self.groups)]
 
     def sample(self, trainer: Trainer, parent: str, seq: int) -> list[RewardedSample]:
@@ -60,7 +64,7 @@ class OwnGroups:
         samples: list[RewardedSample] = []
         try:
             with torch.no_grad(), torch.random.fork_rng():
-                torch.manual_seed(self.seed * 1_000_003 + seq)
+                torch.manual_seed(self.version_seed(seq))
                 for index, task in enumerate(self.tasks(seq)):
                     samples += self.group(model, tokenizer, task, parent, f"{seq}-{index}")
         finally:
