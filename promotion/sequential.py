@@ -80,21 +80,21 @@ def half_width(v: float, alpha: float, tau: float) -> float:
 
 def lower_distance(v: float, alpha: float, tau: float) -> float:
     """u*, the distance from d down to the one-sided mixture's lower bound (above): the
-    root of log Lambda+(u) = log(1 / alpha), found by bisection (Lambda+ grows with u)."""
-    t2 = tau * tau
-    s = v + t2
-
-    def log_lambda(u: float) -> float:
-        phi = 0.5 * math.erfc(-u * tau / math.sqrt(2 * v * s))
-        return math.log(2) + 0.5 * math.log(v / s) + t2 * u * u / (2 * v * s) + math.log(max(phi, 1e-300))
-
-    target, low, high = math.log(1 / alpha), 0.0, math.sqrt(v)
-    while log_lambda(high) < target:
-        low, high = high, 2 * high
-    for _ in range(50):
-        middle = (low + high) / 2
-        low, high = (middle, high) if log_lambda(middle) < target else (low, middle)
-    return high
+    root of log Lambda+(u) = log(1 / alpha). In z = u tau / sqrt(V (V + tau^2)) it reads
+    z^2 / 2 + log Phi(z) = log(1 / alpha) - log 2 - log sqrt(V / (V + tau^2)), whose left side
+    grows and is convex, so Newton's method started right of the root walks down to it in a
+    few steps (bisection took fifty; the guard asks for it at every look)."""
+    s = v + tau * tau
+    target = math.log(1 / alpha) - math.log(2) - 0.5 * math.log(v / s)
+    z = math.sqrt(2 * (target + math.log(2)))  # log Phi(z) >= log(1/2) for z >= 0: right of the root
+    for _ in range(100):
+        log_phi = math.log(0.5 * math.erfc(-z / math.sqrt(2)))
+        slope = z + math.exp(-z * z / 2 - log_phi) / math.sqrt(2 * math.pi)  # z + phi(z) / Phi(z)
+        step = (z * z / 2 + log_phi - target) / slope
+        z -= step
+        if step <= 1e-12 * z:
+            break
+    return z * math.sqrt(v * s) / tau
 
 
 def samples_to_clear(room: float, v: float, n: int, *, alpha: float, tau: float,
