@@ -17,6 +17,7 @@ mid-training" and "A starter that copies names of several tokens").
 from __future__ import annotations
 
 import builtins
+import functools
 import keyword
 import random
 import re
@@ -46,10 +47,12 @@ def multi_token_names(tokenizer: PreTrainedTokenizerFast, names: list[str], coun
     banned = SPLIT_NAMES | set(keyword.kwlist) | set(dir(builtins))
     pieces = sorted({tokenizer.convert_tokens_to_string([t]) for t in tokenizer.get_vocab()})
     pieces = [p for p in pieces if re.fullmatch(r"[a-z]{1,6}", p)]
+    # A small vocabulary (the tests' starters) has few such names and draws each many times.
+    tokens = functools.cache(lambda name: len(tokenizer(" " + name)["input_ids"]))
     rng, found = random.Random(1), set()
     for _ in range(100 * count):
         name = rng.choice(names) + (rng.choice(pieces) if rng.random() < 0.7 else "_" + rng.choice(names))
-        if name not in banned and len(name) <= 14 and len(tokenizer(" " + name)["input_ids"]) in (2, 3):
+        if name not in banned and len(name) <= 14 and tokens(name) in (2, 3):
             found.add(name)
             if len(found) == count:
                 break

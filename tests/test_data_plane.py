@@ -12,7 +12,7 @@ import uuid
 
 import httpx
 import pytest
-from helpers import item, sql, wait_for
+from helpers import item, sql, trajectory, wait_for
 from liverl_client import FeedbackClient
 from openai import OpenAI
 
@@ -220,14 +220,17 @@ def test_a_completion_takes_a_bounded_number_of_feedback_events(settings, openai
     assert revisions[0]["last"] < cap
 
 
-def test_window_closes_with_default_reward_and_late_feedback_is_a_revision(
-        settings, openai_client, api):
-    completion_id = openai_client.completions.create(
-        model="liverl", prompt="print(", max_tokens=4).model_extra["completion_id"]
+def test_window_closes_with_default_reward_and_late_feedback_is_a_revision(settings, api):
+    # A window is counted from when its completion was served (the trajectory's timestamp), so
+    # one served most of a window ago closes in seconds, not in a whole window of waiting.
+    completion_id = f"cmpl-late-{uuid.uuid4().hex}"
+    served_at = time.time() - settings.feedback.reward_window_s + 3
+    api.post("/v1/ingestion", json={"batch": [trajectory(completion_id, served_at)]}).raise_for_status()
     # The default reward config emits no sample when nobody answers; tenants opt in.
     wait_for(lambda: sql(settings, f"SELECT count() AS n FROM trajectories WHERE completion_id = '{completion_id}'")
              [0]["n"])
-    time.sleep(settings.feedback.reward_window_s + 2 * settings.feedback.sweep_interval_s)
+    time.sleep(max(served_at + settings.feedback.reward_window_s - time.time(), 0)
+               + 2 * settings.feedback.sweep_interval_s)
     api.post("/v1/ingestion", json={"batch": [item(f"l-{uuid.uuid4().hex}",
                                                    {"kind": "accept", "completion_id": completion_id})]})
     rows = wait_for(lambda: sql(settings, f"SELECT reward_source, revision FROM samples "
