@@ -9,7 +9,8 @@ the versions the line search trained again. And for runs whose learner ran its o
 (`learner.skill_check_tasks`), each candidate the guard held: its share of the check tasks and
 its held-out pass rate, each against the stable it was held against. Last, per seed: the
 versions trained, those the line search trained again (and to its last try), the learner's
-seconds a version at the median, and (`learner.own_groups`) the versions that trained the learner's
+seconds a version at the median (its steps, its own groups, its offline gate, and from one version to
+the next), and (`learner.own_groups`) the versions that trained the learner's
 own groups and those groups' mean reward at the median.
 
     .venv/bin/python benchmarks/day_holds.py .liverl/bench-day-skill/ret200 .liverl/bench-day-skill/rewind
@@ -17,6 +18,7 @@ own groups and those groups' mean reward at the median.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from collections import Counter
 from pathlib import Path
@@ -100,22 +102,35 @@ def check_table(arms: list[Path], console: Console) -> None:
 
 
 def pace_table(arms: list[Path], console: Console) -> None:
-    """Per seed: versions trained, backtracked (to the last try), the learner's median seconds a version, own groups."""
+    """Per seed: versions trained, backtracked (to the last try), where a version's time went at the
+    median (its training steps, the learner's own groups where recorded, the offline gate, and the
+    seconds from one version to the next), own groups."""
     table = Table("arm", "seed", "versions", "backtracked (to the last try)", "seconds a version, median",
+                  "own groups' seconds, median", "gate seconds, median", "between versions, median",
                   "with own groups", "own groups' reward, median")
     for arm in arms:
         for policies in sorted(arm.glob("seed-*/demo/policies")):
-            trained = [v.metrics for v in Registry(policies).versions() if "train_seconds" in v.metrics]
-            if not trained:
+            versions = [v for v in Registry(policies).versions() if "train_seconds" in v.metrics]
+            if not versions:
                 continue
+            trained = [v.metrics for v in versions]
             tries = [m.get("backtracks", 0) for m in trained]
             last_try = max(tries)
             own = [m["own_reward"] for m in trained if m.get("own_samples")]
+            between = [b.created_at - a.created_at for a, b in itertools.pairwise(versions)]
             table.add_row(arm.name, policies.parent.parent.name, str(len(trained)),
                           f"{sum(t > 0 for t in tries)} ({tries.count(last_try) if last_try else 0} {last_try} times)",
-                          f"{statistics.median(m['train_seconds'] for m in trained):.1f}", str(len(own)),
+                          median(m.get("train_seconds") for m in trained),
+                          median(m.get("own_seconds") for m in trained if m.get("own_samples")),
+                          median(m.get("gate_seconds") for m in trained), median(between), str(len(own)),
                           f"{statistics.median(own):.2f}" if own else "-")
     console.print(table)
+
+
+def median(values) -> str:
+    """The median of the values recorded (None: not recorded by that run's code), or '-'."""
+    known = [v for v in values if v is not None]
+    return f"{statistics.median(known):.1f}" if known else "-"
 
 
 def spread(values: list[float]) -> str:

@@ -15,6 +15,7 @@ version's metrics count them: `own_samples`, and their mean reward, `own_reward`
 from __future__ import annotations
 
 import random
+import time
 
 import torch
 
@@ -32,6 +33,7 @@ class OwnGroups:
 
     def __init__(self, environment: Environment, groups: int, rollouts: RolloutsConfig, seed: int = 11):
         self.environment, self.groups, self.config, self.seed = environment, groups, rollouts, seed
+        self.seconds = 0.0  # what the last draw took, sampling and scoring: its cost to the learner's pace
 
     @classmethod
     def configured(cls, learner: LearnerConfig, rollouts: RolloutsConfig) -> OwnGroups | None:
@@ -58,7 +60,7 @@ class OwnGroups:
 
     def sample(self, trainer: Trainer, parent: str, seq: int) -> list[RewardedSample]:
         """Version `seq`'s groups, sampled from the weights `trainer` holds now (`parent`'s)."""
-        model, tokenizer = trainer.model, trainer.tokenizer
+        model, tokenizer, started = trainer.model, trainer.tokenizer, time.perf_counter()
         was_training = model.training
         model.eval()
         samples: list[RewardedSample] = []
@@ -69,7 +71,9 @@ class OwnGroups:
                     samples += self.group(model, tokenizer, task, parent, f"{seq}-{index}")
         finally:
             model.train(was_training)
-        return as_if_sampled_now(trainer, samples)  # the behaviour logprobs: the parent's own
+        samples = as_if_sampled_now(trainer, samples)  # the behaviour logprobs: the parent's own
+        self.seconds = time.perf_counter() - started
+        return samples
 
     def group(self, model, tokenizer, task: Task, parent: str, name: str) -> list[RewardedSample]:
         """One task's `group_size` completions at the rollout temperature, each with its score

@@ -412,6 +412,7 @@ class Learner:
         crash_point("learner.after_train")
         metrics["replayed_samples"] = len(replayed)
         metrics["own_samples"], metrics["own_reward"] = len(own), sum(s.reward for s in own) / max(len(own), 1)
+        metrics["own_seconds"] = self.own_groups.seconds if self.own_groups and own else 0.0
         metrics["lr_scale"] = step  # below 1: a settled version, or one after the guard rewound (learner/mix.py)
         metrics["train_seconds"] = time.time() - started
         metrics["tokens_per_second"] = metrics["tokens"] * self.config.epochs / max(metrics["train_seconds"], 1e-9)

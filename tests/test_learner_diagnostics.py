@@ -347,6 +347,7 @@ def test_the_learners_own_groups_are_sampled_from_its_weights_scored_by_the_envi
     trainer = Trainer(starter_dir, LearnerConfig(minibatch=16, lr=1e-3))
     sampler = OwnGroups(environment, groups=2, rollouts=rollouts)
     own = sampler.sample(trainer, "v0", seq=1)
+    assert sampler.seconds > 0  # what it cost the learner's pace: the version's metrics carry it (own_seconds)
     tasks = {task.prompt: task for task in sampler.tasks(seq=1)}
     heldout = {t.prompt for t in environment.heldout(200)}
     groups = {s.trajectory.group_id for s in own}
