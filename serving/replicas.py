@@ -83,6 +83,7 @@ def replica_env(settings: Settings) -> dict[str, str]:
         # /pause, /resume, /collective_rpc for swaps.
         VLLM_SERVER_DEV_MODE="1",
         VLLM_NO_USAGE_STATS="1",
+        VLLM_USE_AOT_COMPILE="1" if s.aot_compile else "0",
         HF_HUB_OFFLINE="1",
         TRANSFORMERS_OFFLINE="1",
         # Every completion returns the experts each MoE layer routed its tokens to
