@@ -285,6 +285,7 @@ def test_an_idle_replica_is_lent_to_rollouts_and_a_burst_takes_it_back_without_a
     rollouts = RolloutsConfig(group_size=4, levels=[1], max_tokens=24, scoring_threads=2)
     configured = settings.model_copy(update={"capacity": fast, "rollouts": rollouts})
     scheduler = Scheduler(configured)
+    recorded_before = len(read_events(settings))
     lend = wait_for(scheduler.step, timeout=30, interval=0.05)
     assert lend.action == "lend" and read_pool(settings).get(lend.replica).alias == ROLLOUT
     assert [r.name for r in read_pool(settings).general] != [lend.replica]
@@ -322,9 +323,9 @@ def test_an_idle_replica_is_lent_to_rollouts_and_a_burst_takes_it_back_without_a
         loop.call_soon_threadsafe(stop.set)
         thread.join(timeout=60)
     assert back.seconds < 5 and back.load > fast.take_back_above and back.bound_s == fast.take_back_bound_s
-    events = read_events(settings)
-    assert [e.action for e in events[-2:]] == ["lend", "take_back"]
-    assert time.time() - events[-1].timestamp.timestamp() < 120
+    # This test's lend and take-back, recorded (counted, not dated: a CI machine's clock once
+    # jumped 217 s while its VM was paused, Dec 1).
+    assert [e.event_id for e in read_events(settings)[recorded_before:]] == [lend.event_id, back.event_id]
     assert "abort_s" in back.steps  # where the take-back's time went (and the swap's, if it swapped)
 
 
