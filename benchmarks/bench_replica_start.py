@@ -59,7 +59,8 @@ def main(versions: list[Path] = typer.Argument(..., help="Version directories (a
     for column in ("version", "start to first answer, s", "engine init, s", "probe"):
         table.add_column(column, justify="right")
     for row in rows:
-        table.add_row(row["version"], f"{row['seconds']:.1f}", f"{row['engine_s']:.1f}", "verified")
+        engine = "-" if row["engine_s"] is None else f"{row['engine_s']:.1f}"  # a vLLM whose log says otherwise
+        table.add_row(row["version"], f"{row['seconds']:.1f}", engine, "verified")
     console.print(table)
     console.print(f"median start {statistics.median(r['seconds'] for r in rows):.1f} s "
                   f"({min(r['seconds'] for r in rows):.1f}-{max(r['seconds'] for r in rows):.1f})")
