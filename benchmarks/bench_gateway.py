@@ -11,12 +11,15 @@ so neither always goes first). The replica is sent the body the gateway would fo
 (token ids and the sampled logprobs asked for), so the difference is the gateway's own
 cost: validating, routing, relaying and recording. Reports requests/s and latency p50 and
 p99 of each, and the CPU the gateway process used (its share of a core, and per request).
+With `--replica-cpus 0 --other-cpus 1` the replica has a core nothing else runs on, as an
+engine on an accelerator of its own has: what is left is the gateway's own cost to a request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import statistics
 import time
@@ -66,13 +69,14 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(int(q * len(ordered)), len(ordered) - 1)]
 
 
-def bench_settings(data_dir: Path, offset: int) -> Settings:
-    """One replica, the learner off, every port moved by `offset` (as the test suite's)."""
+def bench_settings(data_dir: Path, offset: int, replica_cpus: list[int] | None) -> Settings:
+    """One replica (on `replica_cpus` only, if given), the learner off, every port moved by
+    `offset` (as the test suite's)."""
     return Settings(
         data_dir=data_dir,
         ports=PortsConfig().shifted(10_000 + offset),
         broker=EmbeddedBroker(port=29092 + offset),
-        serving=ServingConfig(replicas=1),
+        serving=ServingConfig(replicas=1, replica_cpus=[replica_cpus] if replica_cpus else None),
         learner=LearnerConfig(enabled=False),
     )
 
@@ -193,8 +197,14 @@ def main(data_dir: Path = typer.Option(Path("/tmp/liverl-bench-gateway"), help="
          concurrency: int = typer.Option(8, min=1, help="Concurrent clients."),
          max_tokens: int = typer.Option(24, min=1, help="Tokens per completion (exactly: ignore_eos)."),
          warmup: int = typer.Option(32, min=0, help="Completions per target before the first round."),
+         replica_cpus: list[int] = typer.Option([], help="CPUs the replica runs on alone, as an engine on a "
+                                                 "device of its own would (repeat the option; none: any CPU)."),
+         other_cpus: list[int] = typer.Option([], help="CPUs everything else runs on: the gateway, broker, stream, "
+                                              "sink and this script's clients (none: any CPU)."),
          out: Path | None = typer.Option(None, help="Write the summary as JSON here.")) -> None:
-    settings = running_settings(data_dir) if running else bench_settings(data_dir, port_offset)
+    if other_cpus:  # inherited by every process the stack starts; the replica's taskset overrides it
+        os.sched_setaffinity(0, other_cpus)
+    settings = running_settings(data_dir) if running else bench_settings(data_dir, port_offset, replica_cpus)
     if not running:
         up(settings, say=lambda _: None, progress=False)
     try:
@@ -202,7 +212,7 @@ def main(data_dir: Path = typer.Option(Path("/tmp/liverl-bench-gateway"), help="
     finally:
         if not running:
             down(settings, say=lambda _: None, force=True)
-    summary = report(results)
+    summary = report(results) | {"replica_cpus": replica_cpus, "other_cpus": other_cpus}
     if out:
         out.write_text(json.dumps(summary, indent=2))
 
