@@ -775,8 +775,8 @@ DAY_LEARNER: dict[str, Any] = {
     # a core: 9 s of CPU a version, 0.27 of a core over the day, as much as each of the ten other
     # components' sessions (Linux's autogroups share the CPU per session); with nothing else running a
     # version took 9-13 s. Five seeds (Dec 1, AMD EPYC): 25-27 versions instead of 16-22, production
-    # 0.665 at the median against 0.547, the skill +5.5 points against +2.5, with 35% fewer production
-    # requests served and p99 2.4 s at the peak against 1.7 (docs/learning.md, "The learner's
+    # 0.665 at the median against 0.547, the skill +5.5 points against +2.5, with 38% fewer production
+    # requests served and p99 2.4 s at the peak against 1.6 (docs/learning.md, "The learner's
     # priority"). Below 0 needs CAP_SYS_NICE; without it the learner runs at everyone's priority.
     "nice": -5,
 }

@@ -386,7 +386,8 @@ class LearnerConfig(Config):
     enabled: bool = Field(True, description="Start the learner with the stack.")
     nice: int = Field(15, ge=-20, le=19, description="CPU niceness of the learner: on a shared machine it "
                       "trains in what ingest, serving and the stream leave (it falls behind and drops stale "
-                      "samples by design), never the other way round; below 0 (needs CAP_SYS_NICE), ahead of them.")
+                      "samples by design); below 0 (needs CAP_SYS_NICE) it trains ahead of them, as the two-core day "
+                      "demo's does.")
     batch_samples: int = Field(256, ge=1, description="Train a candidate once this many samples arrived.")
     max_interval_s: float = Field(3 * 3600.0, gt=0, description="...or once this long passed with any.")
     min_samples: int = Field(8, ge=1, description="Fewest samples worth a version when time is up.")
